@@ -1,0 +1,65 @@
+"""The vocabulary of ksow: commands that come in, records that are kept, events that go out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Command(str, Enum):
+    """`sow-command` values."""
+
+    PUBLISH = "publish"
+    DELTA_PUBLISH = "delta_publish"
+    SOW_DELETE = "sow_delete"
+
+
+class Op(str, Enum):
+    """`sow-op` values on the output topics."""
+
+    INSERT = "insert"
+    UPDATE = "update"
+    DELETE = "delete"
+    EXPIRE = "expire"
+    EVICT = "evict"
+    OOF = "oof"
+
+    @property
+    def removes(self) -> bool:
+        return self in (Op.DELETE, Op.EXPIRE, Op.EVICT)
+
+
+class InputError(ValueError):
+    """An input that cannot be applied; its message is the `sow-error` reason on `<topic>.errors`."""
+
+
+@dataclass(slots=True)
+class SowRecord:
+    """One record of the SOW: the merged data and what is stored beside it."""
+
+    data: dict
+    seq: int  # sow-seq of the event that produced this version
+    expires_at: int | None = None  # epoch ms, None = never
+    updated_at: int = 0  # epoch ms of the last publish/delta (capacity evicts the oldest)
+
+
+@dataclass(slots=True)
+class SowCommand:
+    """A parsed input message: what to do to which record."""
+
+    command: Command
+    sow_key: str | None = None  # None for deletes by filter or by keys
+    data: dict | None = None
+    expiration_ms: int | None = None  # from the sow-expiration header
+    keys: tuple[str, ...] = ()  # sow-keys of a delete by keys
+    filter: str | None = None  # sow-filter of a delete by filter
+
+
+@dataclass(slots=True)
+class OutputEvent:
+    """A message to produce: the topic is resolved by the runner from `stream` (sow, diff, ...)."""
+
+    stream: str  # "sow" | "diff" | "expired" | "dead" | "errors"
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)

@@ -1,0 +1,226 @@
+"""The `ksow` command line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+from .topology import TopologyError, load_topology
+
+BOOTSTRAP = click.option("--bootstrap", envvar="KAFKA_BOOTSTRAP", default=None, help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP).")
+TOPOLOGY = click.option("--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False), help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).")
+
+
+def _print(obj) -> None:
+    sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+    sys.stdout.flush()
+
+
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+def _client(bootstrap: str | None, topology: str | None):
+    from .client import Client, ClientError
+
+    try:
+        return Client(bootstrap, topology)
+    except (ClientError, TopologyError) as exc:
+        _fail(str(exc))
+
+
+@contextlib.contextmanager
+def _client_errors():
+    from .client import ClientError
+    from .core.durations import DurationError
+
+    try:
+        from .core.filters import FilterError
+    except ImportError:  # pragma: no cover - the filter module ships with the package
+        FilterError = ValueError  # type: ignore[misc,assignment]
+    try:
+        yield
+    except (ClientError, TopologyError, DurationError, FilterError) as exc:
+        _fail(str(exc))
+
+
+@click.group()
+@click.version_option(package_name="ksow")
+def main() -> None:
+    """ksow: State of the World for Kafka."""
+
+
+@main.command()
+@click.option("--port", type=int, default=None, help="Port to listen on (default: a free one).")
+def broker(port: int | None) -> None:
+    """Run the embedded Kafka broker in the foreground; first line: its bootstrap address."""
+    from .broker.embedded import run_foreground
+
+    run_foreground(port)
+
+
+@contextlib.contextmanager
+def _bootstrap_or_embedded(bootstrap: str | None):
+    """Yield a bootstrap address; without one, start the embedded broker for the duration."""
+    if bootstrap:
+        yield bootstrap
+        return
+    from .broker.embedded import EmbeddedKafka
+
+    click.echo("no --bootstrap or KAFKA_BOOTSTRAP: starting the embedded Kafka broker...", err=True)
+    with EmbeddedKafka() as kafka:
+        click.echo(f"embedded Kafka broker at {kafka.bootstrap}", err=True)
+        yield kafka.bootstrap
+
+
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None):
+    from .runner.faust_worker import SowWorker
+
+    try:
+        topo = load_topology(topology)
+    except TopologyError as exc:
+        _fail(str(exc))
+    topology_dir = Path(topology).resolve().parent.parent if topology else None
+    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir)
+
+
+WORKER_OPTIONS = [
+    click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group (and Faust app id) of the workers."),
+    click.option("--data-dir", envvar="KSOW_DATA_DIR", default=None, help="Folder for this worker's RocksDB stores."),
+    click.option("--web-port", type=int, default=None, help="Port of this worker's HTTP endpoint (default: a free one)."),
+]
+
+
+def _worker_options(fn):
+    for option in reversed(WORKER_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@_worker_options
+@click.option("--loglevel", default="info", show_default=True)
+def up(bootstrap, topology, group, data_dir, web_port, loglevel) -> None:
+    """Run a worker for the topology (starting the embedded broker when no bootstrap is given)."""
+    load_topology(topology) if topology else None
+    with _bootstrap_or_embedded(bootstrap) as address:
+        worker = _worker(address, topology, group, data_dir, web_port)
+        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.processors)}, bootstrap {address}", err=True)
+        try:
+            worker.run(loglevel)
+        except SystemExit:
+            pass
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@click.option("--duration", default=60.0, show_default=True, help="Seconds to run (0: until Ctrl-C).")
+def demo(bootstrap, topology, duration) -> None:
+    """`up` plus a sample publisher and a live subscriber: SOW, deltas and expiry at work."""
+    from .demo import run_demo
+
+    with _bootstrap_or_embedded(bootstrap) as address:
+        run_demo(address, topology, duration)
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@click.argument("topic")
+@click.argument("record", required=False)
+@click.option("--delta", is_flag=True, help="delta_publish: merge into the existing record.")
+@click.option("--expiration", default=None, help="This record's lifetime (e.g. 30s; 0 = never).")
+@click.option("--key", "sow_key", default=None, help="Publisher-supplied SowKey (topics without key fields).")
+def publish(bootstrap, topology, topic, record, delta, expiration, sow_key) -> None:
+    """Publish a JSON record (or JSON lines from stdin with '-')."""
+    client = _client(bootstrap, topology)
+    lines = sys.stdin if record in (None, "-") else [record]
+    count = 0
+    with _client_errors():
+        for n, line in enumerate(lines, 1):
+            line = line.strip() if isinstance(line, str) else line
+            if not line:
+                continue
+            try:
+                key = client.publish(topic, line, delta=delta, expiration=expiration, sow_key=sow_key)
+            except Exception as exc:
+                from .client import ClientError
+
+                if isinstance(exc, ClientError) and record in (None, "-"):
+                    raise ClientError(f"line {n}: {exc}") from None
+                raise
+            count += 1
+        client.flush()
+    click.echo(f"published {count} record(s)" + (f", last SowKey {key}" if count else ""), err=True)
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@click.argument("topic")
+@click.option("--filter", "filter_", default=None, help="Delete every record matching this filter.")
+@click.option("--keys", default=None, help="Comma-separated SowKeys to delete.")
+@click.option("--data", default=None, help="Delete the record this JSON would have updated.")
+def delete(bootstrap, topology, topic, filter_, keys, data) -> None:
+    """sow_delete by filter, by SowKeys or by data."""
+    if sum(x is not None for x in (filter_, keys, data)) != 1:
+        _fail("give exactly one of --filter, --keys or --data")
+    client = _client(bootstrap, topology)
+    with _client_errors():
+        client.delete(topic, filter=filter_, keys=keys.split(",") if keys else None, data=data)
+        client.flush()
+    click.echo("sow_delete sent", err=True)
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@click.argument("topic")
+@click.option("--filter", "filter_", default=None)
+@click.option("--keys", default=None, help="Comma-separated SowKeys.")
+@click.option("--select", default=None, help="Comma-separated field paths to return.")
+def query(bootstrap, topology, topic, filter_, keys, select) -> None:
+    """SOW query: the current records, as JSON lines."""
+    client = _client(bootstrap, topology)
+    with _client_errors():
+        for entry in client.query(topic, filter=filter_, keys=keys.split(",") if keys else None, select=select.split(",") if select else None):
+            _print(entry.as_dict())
+
+
+@main.command()
+@BOOTSTRAP
+@TOPOLOGY
+@click.argument("topic")
+@click.option("--filter", "filter_", default=None)
+@click.option("--sow", is_flag=True, help="Start with the current SOW (sow_and_subscribe).")
+@click.option("--delta", is_flag=True, help="Deltas instead of full records.")
+@click.option("--oof", is_flag=True, help="Tell when a record leaves the subscription.")
+@click.option("--no-empties", is_flag=True, help="With --delta: skip updates that change nothing selected.")
+@click.option("--no-sowkey", is_flag=True)
+@click.option("--select", default=None, help="Comma-separated field paths.")
+@click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
+@click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
+def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout) -> None:
+    """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
+    client = _client(bootstrap, topology)
+    with _client_errors():
+        events = client.subscribe(
+            topic, filter=filter_, sow=sow, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey,
+            select=select.split(",") if select else None, conflation=conflation, timeout=timeout,
+        )
+        try:
+            for event in events:
+                _print(event)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

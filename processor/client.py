@@ -1,0 +1,291 @@
+"""The Python client: publish, delta publish, sow_delete, SOW queries and subscriptions.
+
+Queries and subscriptions read `<topic>.sow`, the compacted changelog the workers write: the SOW
+snapshot is read up to the end offsets captured when the call starts, and a subscription goes on
+from exactly those offsets, so the snapshot and the live part meet with no gap and no duplicate.
+Delta subscriptions compute each delta from consecutive versions of a record with the core's diff.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import orjson
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from .api.types import InputError, Op
+from .core import commands as h
+from .core.codec import Codec, codec_for
+from .core.durations import parse_duration_ms
+from .core.keys import KeyError_
+from .core.subscription import SubscriptionSpec, conflate
+from .kafka import make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
+
+
+class ClientError(ValueError):
+    """A request the client refuses before anything is sent (bad JSON, missing key field...)."""
+
+
+@dataclass
+class SowEntry:
+    sow_key: str
+    seq: int | None
+    expires_at: int | None
+    record: dict
+
+    def as_dict(self) -> dict:
+        return {"sow_key": self.sow_key, "seq": self.seq, "expires_at": self.expires_at, "record": self.record}
+
+
+def _header(headers: list | None, name: str) -> str | None:
+    for k, v in headers or ():
+        if k == name and v is not None:
+            return v.decode()
+    return None
+
+
+def _int_header(headers: list | None, name: str) -> int | None:
+    value = _header(headers, name)
+    return int(value) if value is not None else None
+
+
+class Client:
+    def __init__(self, bootstrap: str | None = None, topology: Topology | str | None = None):
+        resolved = resolve_bootstrap(bootstrap)
+        if not resolved:
+            raise ClientError("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
+        self.bootstrap = resolved
+        self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        base = DEFAULT_TOPOLOGY.parent.parent if not isinstance(topology, str) else None
+        self._codecs: dict[str, Codec] = {}
+        self._base = base
+        self._producer = None
+
+    # helpers ------------------------------------------------------------------------------
+    def spec(self, topic: str) -> SowTopic:
+        try:
+            return self.topology.topic(topic)
+        except ValueError as exc:
+            raise ClientError(str(exc)) from None
+
+    def codec(self, spec: SowTopic) -> Codec:
+        if spec.topic not in self._codecs:
+            self._codecs[spec.topic] = codec_for(spec.message_type.value, spec.schema_, self._base)
+        return self._codecs[spec.topic]
+
+    @property
+    def producer(self):
+        if self._producer is None:
+            self._producer = make_producer(self.bootstrap)
+        return self._producer
+
+    def _encode(self, spec: SowTopic, record: Any) -> tuple[bytes, dict]:
+        codec = self.codec(spec)
+        if isinstance(record, (bytes, str)):
+            raw = record.encode() if isinstance(record, str) else record
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise ClientError(f"not valid JSON: {exc}") from None
+        else:
+            data = record
+        if not isinstance(data, dict):
+            raise ClientError(f"a record must be a JSON object, got {type(data).__name__}")
+        try:
+            return codec.encode(data), data
+        except (InputError, ValueError, TypeError) as exc:
+            raise ClientError(f"record does not fit the {spec.message_type.value} type of {spec.topic}: {exc}") from None
+
+    # publishing ---------------------------------------------------------------------------
+    def publish(self, topic: str, record: Any, *, delta: bool = False, expiration: str | int | None = None, sow_key: str | None = None) -> str:
+        """Publish a full record (or with delta=True a partial one). Returns its SowKey."""
+        spec = self.spec(topic)
+        value, data = self._encode(spec, record)
+        headers = []
+        if expiration is not None:
+            try:
+                parse_duration_ms(expiration)
+            except ValueError as exc:
+                raise ClientError(str(exc)) from None
+            headers.append((h.H_EXPIRATION, str(expiration).encode()))
+        if sow_key:
+            headers.append((h.H_KEY, sow_key.encode()))
+        try:
+            key = spec.key_spec.sow_key(data, sow_key)
+        except KeyError_ as exc:
+            raise ClientError(str(exc)) from None
+        target = spec.delta_topic if delta else spec.topic
+        produce(self.producer, target, value, key.encode(), headers=headers)
+        self.producer.poll(0)
+        return key
+
+    def delete(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, data: Any = None) -> None:
+        """sow_delete by filter, by SowKeys or by data (the record the data would have updated)."""
+        spec = self.spec(topic)
+        headers = [(h.H_COMMAND, b"sow_delete")]
+        value = None
+        key = None
+        if filter is not None:
+            from .core.filters import compile_filter
+
+            compile_filter(filter)  # raises FilterError pointing at the position
+            headers.append((h.H_FILTER, filter.encode()))
+        elif keys:
+            headers.append((h.H_KEYS, ",".join(keys).encode()))
+        elif data is not None:
+            value, record = self._encode(spec, data)
+            try:
+                key = spec.key_spec.sow_key(record).encode()
+            except KeyError_ as exc:
+                raise ClientError(str(exc)) from None
+        else:
+            raise ClientError("delete needs a filter, keys or data")
+        produce(self.producer, spec.topic, value, key, headers=headers)
+        self.producer.poll(0)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        if self._producer is not None and self._producer.flush(timeout) > 0:
+            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "messages not delivered in time"))
+
+    def close(self) -> None:
+        self.flush()
+
+    # reading the SOW ----------------------------------------------------------------------
+    def _snapshot(self, spec: SowTopic) -> tuple[dict[str, tuple[Any, ...]], dict[int, int], Any]:
+        """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, and the consumer."""
+        consumer = make_consumer(self.bootstrap)
+        topic = spec.sow_topic
+        ends = {}
+        for p in range(spec.partitions):
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(spec.partitions)])
+        state: dict[str, tuple[Any, ...]] = {}
+        codec = self.codec(spec)
+        for msg in read_until(consumer, {(topic, p): e for p, e in ends.items()}):
+            key = msg.key().decode()
+            if msg.value() is None:
+                state.pop(key, None)
+            else:
+                hs = msg.headers()
+                state[key] = (codec.decode(msg.value()), _int_header(hs, h.H_SEQ), _int_header(hs, h.H_EXPIRES_AT))
+        return state, ends, consumer
+
+    def query(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, select: list[str] | None = None) -> list[SowEntry]:
+        """The current records of a SOW topic that match the filter and keys."""
+        spec = self.spec(topic)
+        sub = self._subscription_spec(spec, filter, select=select)
+        state, _, consumer = self._snapshot(spec)
+        consumer.close()
+        wanted = set(keys) if keys else None
+        out = []
+        for key, (record, seq, expires) in state.items():
+            if (wanted is None or key in wanted) and sub.matches(record):
+                out.append(SowEntry(key, seq, expires, sub.shape(record)))
+        return out
+
+    def _subscription_spec(self, spec: SowTopic, filter: str | None, **options) -> SubscriptionSpec:
+        predicate = None
+        if filter:
+            from .core.filters import compile_filter
+
+            predicate = compile_filter(filter).matches
+        kwargs = {k: v for k, v in options.items() if v is not None}
+        if "select" in kwargs:
+            kwargs["select"] = tuple(kwargs["select"])
+        if predicate is not None:
+            kwargs["filter"] = predicate
+        return SubscriptionSpec(key_paths=spec.key_spec.split, **kwargs)
+
+    def subscribe(
+        self,
+        topic: str,
+        *,
+        filter: str | None = None,
+        sow: bool = True,
+        delta: bool = False,
+        oof: bool = False,
+        no_empties: bool = False,
+        no_sowkey: bool = False,
+        select: list[str] | None = None,
+        conflation: str | int | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[dict]:
+        """sow_and_subscribe (or with sow=False just subscribe); with delta=True, deltas after the SOW.
+
+        Yields event dicts: {"op", "sow_key", "seq", "expires_at", "record"} (op "sow" for the snapshot,
+        "oof" with a "reason" when a record leaves the subscription). Stops after `timeout` seconds of
+        no messages, if given.
+        """
+        spec = self.spec(topic)
+        sub = self._subscription_spec(spec, filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select)
+        codec = self.codec(spec)
+        state, ends, consumer = self._snapshot(spec)
+        try:
+            if sow:
+                for key, (record, seq, expires) in state.items():
+                    event = sub.snapshot(key, seq, record, expires)
+                    if event is not None:
+                        yield event
+            consumer.assign([TopicPartition(spec.sow_topic, p, ends[p]) for p in ends])
+            interval = parse_duration_ms(conflation) / 1000 if conflation else 0.0
+            pending: dict[str, dict] = {}
+            flush_at = time.monotonic() + interval
+            idle_since = time.monotonic()
+            while True:
+                msgs = consumer.consume(500, 0.1)
+                now = time.monotonic()
+                for msg in msgs:
+                    if msg.error():
+                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                            continue
+                        raise KafkaException(msg.error())
+                    idle_since = now
+                    event = self._change(sub, codec, state, msg)
+                    if event is None:
+                        continue
+                    if interval:
+                        key = event.get("sow_key") or msg.key().decode()
+                        pending[key] = _conflate_event(pending.get(key), event)
+                    else:
+                        yield event
+                if interval and now >= flush_at:
+                    yield from pending.values()
+                    pending.clear()
+                    flush_at = now + interval
+                if timeout is not None and now - idle_since > timeout:
+                    yield from pending.values()
+                    return
+        finally:
+            consumer.close()
+
+    @staticmethod
+    def _change(sub: SubscriptionSpec, codec: Codec, state: dict, msg) -> dict | None:
+        key = msg.key().decode()
+        hs = msg.headers()
+        op = Op(_header(hs, h.H_OP) or ("delete" if msg.value() is None else "update"))
+        seq = _int_header(hs, h.H_SEQ)
+        expires = _int_header(hs, h.H_EXPIRES_AT)
+        before = state.get(key)
+        before_record = before[0] if before else None
+        if msg.value() is None:
+            state.pop(key, None)
+            after = None
+        else:
+            after = codec.decode(msg.value())
+            state[key] = (after, seq, expires)
+        return sub.change(op, key, seq, before_record, after, expires)
+
+
+def _conflate_event(pending: dict | None, event: dict) -> dict:
+    """Within a conflation interval: deltas merge, anything else replaces what was waiting."""
+    if pending is None or event["op"] in ("oof", "delete", "expire", "evict") or pending["op"] in ("oof", "delete", "expire", "evict"):
+        return event
+    merged = dict(event)
+    merged["record"] = conflate(pending["record"], event["record"])
+    if pending["op"] == "insert":
+        merged["op"] = "insert"
+    return merged

@@ -1,0 +1,95 @@
+"""Turning one input message (topic, headers, value) into a SowCommand, or a clear InputError."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..api.types import Command, InputError, SowCommand
+from .codec import Codec
+from .durations import DurationError, parse_duration_ms
+from .keys import KeyError_, KeySpec, validate_user_key
+
+H_COMMAND = "sow-command"
+H_EXPIRATION = "sow-expiration"
+H_KEY = "sow-key"
+H_FILTER = "sow-filter"
+H_KEYS = "sow-keys"
+H_OP = "sow-op"
+H_SEQ = "sow-seq"
+H_EXPIRES_AT = "sow-expires-at"
+H_ACTUAL_EXPIRY = "sow-actual-expiry"
+H_ERROR = "sow-error"
+KNOWN_INPUT_HEADERS = frozenset({H_COMMAND, H_EXPIRATION, H_KEY, H_FILTER, H_KEYS})
+
+
+def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dict[str, str]:
+    """Input headers as text; later duplicates win. Undecodable ksow headers are input errors."""
+    if not headers:
+        return {}
+    items = headers.items() if isinstance(headers, dict) else headers
+    out: dict[str, str] = {}
+    for name, raw in items:
+        if name not in KNOWN_INPUT_HEADERS:
+            continue
+        if raw is None:
+            raise InputError(f"header {name} has no value")
+        try:
+            out[name] = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        except UnicodeDecodeError:
+            raise InputError(f"header {name} is not UTF-8") from None
+    return out
+
+
+def parse_command(
+    keys: KeySpec,
+    codec: Codec,
+    default_command: Command,
+    value: bytes | None,
+    headers: dict[str, str],
+) -> SowCommand:
+    """Everything an input message asks for, validated; raises InputError with the reason."""
+    raw_command = headers.get(H_COMMAND)
+    if raw_command is None:
+        command = default_command
+    else:
+        try:
+            command = Command(raw_command.strip().lower())
+        except ValueError:
+            raise InputError(f"unknown sow-command {raw_command!r} (publish, delta_publish or sow_delete)") from None
+
+    expiration_ms = None
+    if H_EXPIRATION in headers:
+        try:
+            expiration_ms = parse_duration_ms(headers[H_EXPIRATION])
+        except DurationError as exc:
+            raise InputError(f"bad sow-expiration header: {exc}") from None
+
+    header_key = headers.get(H_KEY)
+    try:
+        if command is Command.SOW_DELETE:
+            return _parse_delete(keys, codec, value, headers, header_key)
+        if value is None:
+            raise InputError(f"{command.value} has no value (a tombstone is not a record; use sow_delete)")
+        record = codec.decode(value)
+        return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms)
+    except KeyError_ as exc:
+        raise InputError(str(exc)) from None
+
+
+def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dict[str, str], header_key: str | None) -> SowCommand:
+    if H_FILTER in headers:
+        text = headers[H_FILTER].strip()
+        if not text:
+            raise InputError("empty sow-filter on sow_delete")
+        return SowCommand(Command.SOW_DELETE, filter=text)
+    if H_KEYS in headers:
+        listed = tuple(k.strip() for k in headers[H_KEYS].split(",") if k.strip())
+        if not listed:
+            raise InputError("empty sow-keys on sow_delete")
+        return SowCommand(Command.SOW_DELETE, keys=tuple(validate_user_key(k) for k in listed))
+    if value:
+        record = codec.decode(value)
+        return SowCommand(Command.SOW_DELETE, sow_key=keys.sow_key(record, header_key), data=record)
+    if header_key:
+        return SowCommand(Command.SOW_DELETE, sow_key=validate_user_key(header_key))
+    raise InputError("sow_delete needs a sow-filter, sow-keys or a record to delete by data")

@@ -1,0 +1,851 @@
+"""AMPS-style content filters, parsed with lark (LALR) and compiled to Python closures.
+
+Syntax (keywords are case-insensitive)::
+
+    /sym IN ('IBM', 'MSFT') AND /price >= 10.5 OR NOT (/desc LIKE '^a.*z$')
+    /a/b BETWEEN 1 AND 5      /x IS NOT NULL      /s BEGINS WITH ('ab', 'cd')
+    LOWER(/name) = 'bob'      1=1 (everything)    1=0 (nothing)
+
+Operators: = <> != < <= > >=, [NOT] LIKE 'regex', [NOT] IN (literals), [NOT] BETWEEN lo AND hi,
+IS [NOT] NULL, [NOT] BEGINS WITH / ENDS WITH ('a', ...), the operands UPPER(x) / LOWER(x), and
+NOT > AND > OR with parentheses. Strings use single quotes ('it''s'); double quotes work too.
+
+Semantics (AMPS rules with SQL three-valued logic, so NOT never turns "don't know" into a match):
+
+* NULL is a missing field, JSON null, or the empty string '' (the literal '' is NULL as well).
+  Arrays and objects are never NULL.
+* Any comparison with a NULL operand is UNKNOWN; NOT UNKNOWN is UNKNOWN; AND/OR are Kleene;
+  a record matches only when the whole filter is TRUE. IS [NOT] NULL is always TRUE or FALSE.
+* Number vs number compares numerically, string vs string by code point (case-sensitive: use
+  LOWER/UPPER for case-insensitive equality). Number vs string converts the string to a number
+  when it is a decimal number ('10' = 10), else the comparison is UNKNOWN. Booleans compare only
+  with booleans or the strings 'true'/'false' (any case), and only with = and <> (ordering is
+  UNKNOWN). Any other mix, and objects, are UNKNOWN.
+* A predicate on an array value is true when any element satisfies it (AMPS repeated fields); an
+  empty array gives FALSE. The NOT forms negate that: /tags NOT IN ('x') means no element is 'x'.
+* LIKE is a Python regular expression with re.search semantics; BEGINS/ENDS WITH test string
+  prefixes/suffixes. Both see numbers and booleans as their JSON text.
+* UPPER/LOWER change strings (and the strings inside arrays) and pass other values through.
+* Paths walk nested objects only; they do not descend into arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+from lark import Lark, Token, Transformer
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+
+from .paths import MISSING, get_path, split_path
+
+__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "MATCH_ALL"]
+
+
+class FilterError(ValueError):
+    """An unparsable filter: `position` is the 0-based offset of the problem, `expected` what would fit."""
+
+    def __init__(self, text: str, position: int, expected: list[str], found: str | None = None):
+        self.text = text
+        self.position = position
+        self.expected = expected
+        self.found = found
+        what = f"found {found}" if found else "invalid filter"
+        lines = [f"{what} at position {position}; expected one of: {', '.join(expected)}"]
+        lines += [f"  {text}", "  " + " " * position + "^"]
+        super().__init__("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# Syntax tree (frozen so a compiled Filter can be shared across threads and cached by text)
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    path: str  # '/a/b'
+
+
+@dataclass(frozen=True, slots=True)
+class Lit:
+    value: Any  # str (never ''), int, float, bool or None for NULL
+
+
+@dataclass(frozen=True, slots=True)
+class Func:
+    name: str  # 'UPPER' or 'LOWER'
+    arg: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    op: str  # one of = <> < <= > >=
+    left: Any
+    right: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Like:
+    operand: Any
+    pattern: str
+    negated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class In:
+    operand: Any
+    values: tuple  # literal values
+    negated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Between:
+    operand: Any
+    low: Any  # literal values
+    high: Any
+    negated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class IsNull:
+    operand: Any
+    negated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Affix:
+    kind: str  # 'BEGINS' or 'ENDS'
+    operand: Any
+    values: tuple  # str, or None for a NULL ('') alternative
+    negated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Not:
+    expr: Any
+
+
+@dataclass(frozen=True, slots=True)
+class And:
+    items: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Or:
+    items: tuple
+
+
+# ---------------------------------------------------------------------------------------------
+# Grammar
+
+_GRAMMAR = r"""
+start: or_expr
+?or_expr: and_expr (OR and_expr)*
+?and_expr: not_expr (AND not_expr)*
+?not_expr: NOT not_expr -> not_
+         | predicate
+?predicate: "(" or_expr ")"
+          | operand COMPOP operand                              -> compare
+          | operand NOT? LIKE STRING                            -> like
+          | operand NOT? IN "(" literal ("," literal)* ")"      -> in_
+          | operand NOT? BETWEEN literal AND literal            -> between
+          | operand IS NOT? NULL                                -> is_null
+          | operand NOT? AFFIX WITH affixes                     -> affix
+affixes: STRING | "(" STRING ("," STRING)* ")"
+?operand: PATH                    -> path
+        | FUNC "(" operand ")"    -> func
+        | literal
+literal: STRING | NUMBER | NULL | TRUE | FALSE
+
+OR: /or\b/i
+AND: /and\b/i
+NOT: /not\b/i
+LIKE: /like\b/i
+IN: /in\b/i
+BETWEEN: /between\b/i
+IS: /is\b/i
+NULL: /null\b/i
+TRUE: /true\b/i
+FALSE: /false\b/i
+AFFIX: /(begins|ends)\b/i
+WITH: /with\b/i
+FUNC: /(upper|lower)\b/i
+COMPOP: /<>|!=|<=|>=|=|<|>/
+PATH: /(\/[\w$@.:-]+)+/
+STRING: /'(?:[^']|'')*'/ | /"(?:[^"]|"")*"/
+NUMBER: /-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?/
+%ignore /\s+/
+"""
+
+# What each terminal means to a person reading the error.
+_TERMINAL_NAMES = {
+    "PATH": "a field path like /name",
+    "STRING": "a string",
+    "NUMBER": "a number",
+    "NULL": "NULL",
+    "TRUE": "TRUE",
+    "FALSE": "FALSE",
+    "FUNC": "UPPER(",
+    "COMPOP": "a comparison operator (= <> < <= > >=)",
+    "LPAR": "'('",
+    "RPAR": "')'",
+    "COMMA": "','",
+    "$END": "the end of the filter",
+    "AFFIX": "BEGINS WITH/ENDS WITH",
+}
+
+
+def _unquote(token: Token) -> str:
+    quote = token[0]
+    return token[1:-1].replace(quote * 2, quote)
+
+
+def _literal_value(token: Token) -> Any:
+    kind = token.type
+    if kind == "STRING":
+        return _unquote(token) or None  # '' is NULL
+    if kind == "NUMBER":
+        return float(token) if any(c in token for c in ".eE") else int(token)
+    return {"NULL": None, "TRUE": True, "FALSE": False}[kind]
+
+
+def _negated(items: list) -> bool:
+    return any(isinstance(t, Token) and t.type == "NOT" for t in items)
+
+
+class _Build(Transformer):
+    """Parse tree -> frozen syntax tree; knows the text so late errors (bad regex) can point into it."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self._text = text
+
+    def start(self, items):
+        return items[0]
+
+    def or_expr(self, items):
+        return Or(_flatten(Or, [i for i in items if not isinstance(i, Token)]))
+
+    def and_expr(self, items):
+        return And(_flatten(And, [i for i in items if not isinstance(i, Token)]))
+
+    def not_(self, items):
+        return Not(items[1])
+
+    def compare(self, items):
+        left, op, right = items
+        return Compare("<>" if op == "!=" else str(op), left, right)
+
+    def like(self, items):
+        token = items[-1]
+        pattern = _unquote(token)
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            pos = token.start_pos + 1 + (exc.pos or 0)
+            raise FilterError(self._text, pos, [f"a valid regular expression ({exc.msg})"]) from None
+        return Like(items[0], pattern, _negated(items[1:]))
+
+    def in_(self, items):
+        values = tuple(i.value for i in items[1:] if isinstance(i, Lit))
+        return In(items[0], values, _negated(items[1:2]))
+
+    def between(self, items):
+        low, high = (i.value for i in items[1:] if isinstance(i, Lit))
+        return Between(items[0], low, high, _negated(items[1:2]))
+
+    def is_null(self, items):
+        return IsNull(items[0], _negated(items))
+
+    def affix(self, items):
+        kind = next(t for t in items if isinstance(t, Token) and t.type == "AFFIX")
+        return Affix(kind.upper(), items[0], items[-1], _negated(items[1:]))
+
+    def affixes(self, items):
+        return tuple(_unquote(t) or None for t in items)
+
+    def path(self, items):
+        split_path(str(items[0]))  # validates
+        return Path(str(items[0]))
+
+    def func(self, items):
+        return Func(items[0].upper(), items[1])
+
+    def literal(self, items):
+        return Lit(_literal_value(items[0]))
+
+
+def _flatten(kind: type, items: list) -> tuple:
+    out: list = []
+    for item in items:
+        out.extend(item.items if isinstance(item, kind) else (item,))
+    return tuple(out)
+
+
+_PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False)
+
+
+def _parse(text: str) -> Any:
+    try:
+        tree = _PARSER.parse(text)
+    except UnexpectedToken as exc:
+        end = exc.token.type == "$END"
+        position = len(text) if end else exc.token.start_pos
+        found = "the end of the filter" if end else repr(str(exc.token))
+        raise FilterError(text, position, _describe(exc.accepts or exc.expected), found) from None
+    except UnexpectedCharacters as exc:
+        pos = exc.pos_in_stream
+        found = "an unterminated string" if text[pos] in "'\"" else repr(text[pos])
+        raise FilterError(text, pos, _describe(_accepts_after(text[:pos], exc.allowed)), found) from None
+    except UnexpectedInput as exc:  # pragma: no cover - other lark input errors
+        raise FilterError(text, getattr(exc, "pos_in_stream", 0) or 0, ["a valid filter"]) from None
+    try:
+        return _Build(text).transform(tree)
+    except VisitError as exc:
+        raise exc.orig_exc from None
+
+
+def _accepts_after(prefix: str, fallback) -> set[str]:
+    """What the parser accepts after a prefix (the lexer's own list is wider: LALR shares states)."""
+    try:
+        interactive = _PARSER.parse_interactive(prefix)
+        interactive.exhaust_lexer()
+        return interactive.accepts()
+    except UnexpectedInput:  # pragma: no cover - the prefix lexed and parsed already
+        return fallback
+
+
+def _describe(terminals) -> list[str]:
+    names = {_TERMINAL_NAMES.get(t, t) for t in terminals}
+    if "UPPER(" in names:
+        names.add("LOWER(")
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Value semantics (the slow, general path; compiled closures take shortcuts for common cases)
+
+_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_BOOL_TEXT = {"true": True, "false": False}
+
+
+def _to_number(s: str) -> int | float | None:
+    """The number a string spells (AMPS converts strings compared with numbers), else None."""
+    if not _NUMBER.fullmatch(s):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        return float(s)
+
+
+def _is_null(v: Any) -> bool:
+    return v is None or v is MISSING or (type(v) is str and not v)
+
+
+def _is_number(v: Any) -> bool:
+    t = type(v)
+    return t is int or t is float
+
+
+def _text(v: Any) -> str | None:
+    """The text LIKE and BEGINS/ENDS WITH see: strings as-is, numbers/booleans as JSON text."""
+    t = type(v)
+    if t is str:
+        return v
+    if t is bool:
+        return "true" if v else "false"
+    if t is int or t is float:
+        return str(v)
+    return None
+
+
+def _kleene_or(results) -> bool | None:
+    unknown = False
+    for r in results:
+        if r is True:
+            return True
+        if r is None:
+            unknown = True
+    return None if unknown else False
+
+
+def _lift(fn: Callable[[Any], bool | None]) -> Callable[[Any], bool | None]:
+    """A scalar predicate extended to NULL (UNKNOWN), arrays (any element) and objects (UNKNOWN)."""
+
+    def lifted(v: Any) -> bool | None:
+        if _is_null(v):
+            return None
+        t = type(v)
+        if t is list:
+            return _kleene_or(map(lifted, v))
+        if t is dict:
+            return None
+        return fn(v)
+
+    return lifted
+
+
+_OPS = {"=": operator.eq, "<>": operator.ne, "<": operator.lt, "<=": operator.le,
+        ">": operator.gt, ">=": operator.ge}  # fmt: skip
+_FLIP = {"=": "=", "<>": "<>", "<": ">", "<=": ">=", ">": "<", ">=": "<="}
+
+
+def _compare_scalars(op: Callable, a: Any, b: Any) -> bool | None:
+    ta, tb = type(a), type(b)
+    if _is_number(a):
+        if tb is str:
+            b = _to_number(b)
+        elif not _is_number(b):
+            return None
+        return None if b is None else op(a, b)
+    if ta is str:
+        if tb is str:
+            return op(a, b)
+        if _is_number(b):
+            a = _to_number(a)
+            return None if a is None else op(a, b)
+        if tb is bool:
+            a = _BOOL_TEXT.get(a.lower())
+    if tb is str and ta is bool:
+        b = _BOOL_TEXT.get(b.lower())
+    if type(a) is bool and type(b) is bool and (op is operator.eq or op is operator.ne):
+        return op(a, b)
+    return None
+
+
+def _compare_values(op: Callable, a: Any, b: Any) -> bool | None:
+    """Compare two record values: NULL and objects give UNKNOWN, arrays match on any element."""
+    if _is_null(a) or _is_null(b):
+        return None
+    if type(a) is list:
+        return _kleene_or(_compare_values(op, x, b) for x in a)
+    if type(b) is list:
+        return _kleene_or(_compare_values(op, a, y) for y in b)
+    if type(a) is dict or type(b) is dict:
+        return None
+    return _compare_scalars(op, a, b)
+
+
+def _case(fn: Callable[[str], str], v: Any) -> Any:
+    if type(v) is str:
+        return fn(v)
+    if type(v) is list:
+        return [_case(fn, x) for x in v]
+    return v
+
+
+def _in_scalar(values: tuple) -> Callable[[Any], bool | None]:
+    """`v IN (values)` for one non-NULL scalar, as the Kleene OR of v = each value, via set lookups."""
+    strs = frozenset(v for v in values if type(v) is str)
+    nums = frozenset(v for v in values if _is_number(v))
+    bools = frozenset(v for v in values if type(v) is bool)
+    has_null = None in values
+    str_nums = frozenset(n for s in strs if (n := _to_number(s)) is not None)
+    str_bools = frozenset(_BOOL_TEXT[s.lower()] for s in strs if s.lower() in _BOOL_TEXT)
+    # When no value equals v, the answer is UNKNOWN if some value was incomparable, else FALSE.
+    num_miss = None if has_null or bools or any(_to_number(s) is None for s in strs) else False
+    bool_miss = None if has_null or nums or any(s.lower() not in _BOOL_TEXT for s in strs) else False
+
+    def in_scalar(v: Any) -> bool | None:
+        t = type(v)
+        if t is str:
+            if v in strs:
+                return True
+            unknown = has_null
+            if nums:
+                n = _to_number(v)
+                if n is None:
+                    unknown = True
+                elif n in nums:
+                    return True
+            if bools:
+                b = _BOOL_TEXT.get(v.lower())
+                if b is None:
+                    unknown = True
+                elif b in bools:
+                    return True
+            return None if unknown else False
+        if t is int or t is float:
+            return True if v in nums or v in str_nums else num_miss
+        if t is bool:
+            return True if v in bools or v in str_bools else bool_miss
+        return None
+
+    return in_scalar
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation: each node becomes a closure record -> True / False / None (UNKNOWN)
+
+Pred = Callable[[dict], Any]
+
+
+def _compile_operand(node: Any) -> Callable[[dict], Any]:
+    if isinstance(node, Path):
+        parts = split_path(node.path)
+        if len(parts) == 1:
+            key = parts[0]
+            return lambda rec: rec.get(key)
+        return lambda rec: get_path(rec, parts)
+    if isinstance(node, Lit):
+        value = node.value
+        return lambda rec: value
+    arg = _compile_operand(node.arg)
+    fn = str.upper if node.name == "UPPER" else str.lower
+    return lambda rec: _case(fn, arg(rec))
+
+
+def _constant(value: bool | None) -> Pred:
+    return lambda rec: value
+
+
+def _single_key(node: Any) -> str | None:
+    if isinstance(node, Path):
+        parts = split_path(node.path)
+        if len(parts) == 1:
+            return parts[0]
+    return None
+
+
+def _compile_compare(node: Compare) -> Pred:
+    left, right, opname = node.left, node.right, node.op
+    if isinstance(left, Lit) and isinstance(right, Lit):
+        return _constant(_compare_values(_OPS[opname], left.value, right.value))
+    if isinstance(left, Lit):
+        left, right, opname = right, left, _FLIP[opname]
+    op = _OPS[opname]
+    if isinstance(right, Lit):
+        lit = right.value
+        if lit is None:
+            return _constant(None)
+        key = _single_key(left)
+        get = _compile_operand(left)
+        # Fast paths: a top-level field compared with a literal of the same type.
+        if type(lit) is str and key is not None:
+
+            def cmp_str(rec):
+                v = rec.get(key)
+                if type(v) is str and v:
+                    return op(v, lit)
+                return _compare_values(op, v, lit)
+
+            return cmp_str
+        if _is_number(lit) and key is not None:
+
+            def cmp_num(rec):
+                v = rec.get(key)
+                t = type(v)
+                if t is int or t is float:
+                    return op(v, lit)
+                return _compare_values(op, v, lit)
+
+            return cmp_num
+        return lambda rec: _compare_values(op, get(rec), lit)
+    get_l, get_r = _compile_operand(left), _compile_operand(right)
+    return lambda rec: _compare_values(op, get_l(rec), get_r(rec))
+
+
+def _compile_in(node: In) -> Pred:
+    scalar = _in_scalar(node.values)
+    lifted = _lift(scalar)
+    key = _single_key(node.operand)
+    if isinstance(node.operand, Lit):
+        return _constant(lifted(node.operand.value))
+    if key is not None:
+        strs = frozenset(v for v in node.values if type(v) is str)
+
+        def in_key(rec):
+            v = rec.get(key)
+            if type(v) is str and v in strs:
+                return True
+            return lifted(v)
+
+        return in_key
+    get = _compile_operand(node.operand)
+    return lambda rec: lifted(get(rec))
+
+
+def _compile_predicate(node: Any) -> Pred:
+    """The leaf predicates other than = and IN, each via a scalar function lifted over arrays."""
+    get = _compile_operand(node.operand)
+    if isinstance(node, IsNull):
+        if node.negated:
+            return lambda rec: not _is_null(get(rec))
+        return lambda rec: _is_null(get(rec))
+    if isinstance(node, Like):
+        search = re.compile(node.pattern).search
+
+        def scalar(v):
+            s = _text(v)
+            return None if s is None else search(s) is not None
+
+    elif isinstance(node, Between):
+        low, high = node.low, node.high
+        numeric = _is_number(low) and _is_number(high)
+
+        def scalar(v):
+            if numeric and (type(v) is int or type(v) is float):
+                return low <= v <= high
+            a = _compare_values(operator.ge, v, low)
+            b = _compare_values(operator.le, v, high)
+            return False if a is False or b is False else (None if a is None or b is None else True)
+
+    else:  # Affix
+        options = tuple(v for v in node.values if v is not None)
+        miss = None if None in node.values else False
+        starts = node.kind == "BEGINS"
+
+        def scalar(v):
+            s = _text(v)
+            if s is None:
+                return None
+            hit = s.startswith(options) if starts else s.endswith(options)
+            return True if hit else miss
+
+    lifted = _lift(scalar)
+    key = _single_key(node.operand)
+    if key is None:
+        return lambda rec: lifted(get(rec))
+
+    def fast(rec):  # a top-level field holding a non-NULL string or a number
+        v = rec.get(key)
+        t = type(v)
+        if (t is str and v) or t is int or t is float:
+            return scalar(v)
+        return lifted(v)
+
+    return fast
+
+
+def _compile(node: Any) -> Pred:
+    if isinstance(node, Compare):
+        return _compile_compare(node)
+    if isinstance(node, (And, Or)):
+        return _compile_bool(node)
+    if isinstance(node, Not):
+        inner = _compile(node.expr)
+
+        def not_(rec):
+            v = inner(rec)
+            return None if v is None else not v
+
+        return not_
+    if isinstance(node, In):
+        fn = _compile_in(node)
+    else:
+        fn = _compile_predicate(node)
+    if getattr(node, "negated", False) and not isinstance(node, IsNull):
+        positive = fn
+
+        def fn(rec):
+            v = positive(rec)
+            return None if v is None else not v
+
+    return fn
+
+
+def _compile_bool(node: And | Or) -> Pred:
+    """Kleene AND/OR with short-circuit: FALSE decides an AND, TRUE decides an OR."""
+    parts = [_compile(item) for item in node.items]
+    decisive = isinstance(node, Or)  # the value that settles the result
+    if len(parts) == 2:
+        f, g = parts
+        if decisive:
+
+            def or2(rec):
+                a = f(rec)
+                if a is True:
+                    return True
+                b = g(rec)
+                if a is False or b is True:
+                    return b
+                return None
+
+            return or2
+
+        def and2(rec):
+            a = f(rec)
+            if a is False:
+                return False
+            b = g(rec)
+            if a is True or b is False:
+                return b
+            return None
+
+        return and2
+
+    def many(rec):
+        unknown = False
+        for part in parts:
+            v = part(rec)
+            if v is decisive:
+                return decisive
+            if v is None:
+                unknown = True
+        return None if unknown else not decisive
+
+    return many
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+class Filter:
+    """A compiled filter. Immutable and thread-safe; get one from compile_filter (cached)."""
+
+    __slots__ = ("text", "_ast", "_fn")
+
+    def __init__(self, text: str, ast: Any):
+        self.text = text
+        self._ast = ast
+        self._fn = _compile(ast)
+
+    def matches(self, record: dict) -> bool:
+        """True only when the filter is TRUE for the record (FALSE and UNKNOWN do not match)."""
+        return self._fn(record) is True
+
+    def equality_terms(self) -> dict[str, frozenset] | None:
+        """{path: values} from top-level AND terms `path = literal` / `path IN (...)`, for hash indexes.
+
+        A record can match only if, for every path, its value equals one of the values; the
+        caller narrows candidates with that and still applies matches(). Because AMPS compares
+        across types ('10' = 10), a string literal that spells a number or boolean also adds that
+        number/boolean; index records under index_keys(value) so these lookups find them all. An
+        empty set means nothing can match. None when the filter is not such a conjunction (an
+        OR or NOT on top, or no equality term at all); {} for a constant TRUE filter like 1=1.
+        """
+        node = self._ast
+        items = node.items if isinstance(node, And) else (node,)
+        terms: dict[str, frozenset] = {}
+        for item in items:
+            term = _equality_term(item)
+            if term is not None:
+                path, values = term
+                # Keep the smaller set: intersecting is wrong for arrays (['x','y'] = 'x' and = 'y').
+                if path not in terms or len(values) < len(terms[path]):
+                    terms[path] = values
+        if terms:
+            return terms
+        if isinstance(node, Compare) and isinstance(node.left, Lit) and isinstance(node.right, Lit):
+            return {} if self._fn({}) is True else None
+        return None
+
+    def fields(self) -> set[str]:
+        """Every field path the filter reads, e.g. {'/a', '/b/c'}."""
+        return _fields(self._ast, set())
+
+    def __repr__(self) -> str:
+        return f"Filter({self.text!r})"
+
+
+def _equality_term(node: Any) -> tuple[str, frozenset] | None:
+    if isinstance(node, Compare) and node.op == "=":
+        left, right = node.left, node.right
+        if isinstance(left, Lit):
+            left, right = right, left
+        if isinstance(left, Path) and isinstance(right, Lit):
+            return left.path, frozenset(index_keys(right.value))
+    if isinstance(node, In) and not node.negated and isinstance(node.operand, Path):
+        return node.operand.path, frozenset(k for v in node.values for k in index_keys(v))
+    return None
+
+
+def index_keys(value: Any) -> list:
+    """Hash-index keys for a value: any two values that compare equal share at least one key.
+
+    Strings also key as the number or boolean they spell, arrays as all their elements; NULL and
+    objects have no keys (they never equal anything).
+    """
+    if _is_null(value) or type(value) is dict:
+        return []
+    if type(value) is list:
+        return [k for v in value for k in index_keys(v)]
+    keys = [value]
+    if type(value) is str:
+        n = _to_number(value)
+        if n is not None:
+            keys.append(n)
+        b = _BOOL_TEXT.get(value.lower())
+        if b is not None:
+            keys.append(b)
+    return keys
+
+
+def _fields(node: Any, out: set[str]) -> set[str]:
+    if isinstance(node, Path):
+        out.add(node.path)
+    elif isinstance(node, (And, Or)):
+        for item in node.items:
+            _fields(item, out)
+    elif isinstance(node, Not):
+        _fields(node.expr, out)
+    elif isinstance(node, Func):
+        _fields(node.arg, out)
+    elif isinstance(node, Compare):
+        _fields(node.left, out)
+        _fields(node.right, out)
+    elif not isinstance(node, Lit):
+        _fields(node.operand, out)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def compile_filter(text: str) -> Filter:
+    """Parse and compile a filter; raises FilterError. Cached by text, since subscriptions repeat."""
+    return Filter(text, _parse(text))
+
+
+def format_filter(f: Filter) -> str:
+    """Canonical text of a filter: compile_filter(format_filter(f)) is equivalent to f."""
+    return _format(f._ast)
+
+
+def _format_literal(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if v is True:
+        return "TRUE"
+    if v is False:
+        return "FALSE"
+    if type(v) is str:
+        return "'" + v.replace("'", "''") + "'"
+    if type(v) is float and math.isinf(v):
+        return "1e999" if v > 0 else "-1e999"
+    return repr(v)
+
+
+def _format(node: Any) -> str:
+    if isinstance(node, Or):
+        return " OR ".join(_format(i) for i in node.items)
+    if isinstance(node, And):
+        return " AND ".join(f"({_format(i)})" if isinstance(i, Or) else _format(i) for i in node.items)
+    if isinstance(node, Not):
+        inner = _format(node.expr)
+        return f"NOT ({inner})" if isinstance(node.expr, (And, Or)) else f"NOT {inner}"
+    if isinstance(node, Path):
+        return node.path
+    if isinstance(node, Lit):
+        return _format_literal(node.value)
+    if isinstance(node, Func):
+        return f"{node.name}({_format(node.arg)})"
+    if isinstance(node, Compare):
+        return f"{_format(node.left)} {node.op} {_format(node.right)}"
+    subject = _format(node.operand) + (" NOT" if node.negated else "")
+    if isinstance(node, IsNull):
+        return _format(node.operand) + (" IS NOT NULL" if node.negated else " IS NULL")
+    if isinstance(node, Like):
+        return f"{subject} LIKE {_format_literal(node.pattern)}"
+    if isinstance(node, In):
+        return f"{subject} IN ({', '.join(map(_format_literal, node.values))})"
+    if isinstance(node, Between):
+        return f"{subject} BETWEEN {_format_literal(node.low)} AND {_format_literal(node.high)}"
+    values = ", ".join(_format_literal(v if v is not None else "") for v in node.values)
+    return f"{subject} {node.kind} WITH ({values})"
+
+
+MATCH_ALL = compile_filter("1=1")

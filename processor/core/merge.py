@@ -1,0 +1,97 @@
+"""Delta publish merge and the diff between two versions of a record.
+
+Merge rules (AMPS delta publish): a field absent from the delta is unchanged; a present field
+replaces the old value; nested objects are merged field by field; arrays and scalars are replaced
+whole; a delta on a missing record becomes the record. A delta cannot remove a field.
+
+Diff rules (delta subscribe): the key fields always, then every field whose value changed; nested
+objects are diffed recursively; a field the new record no longer has appears as null.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .paths import MISSING, get_path, set_path
+
+
+def merge(existing: dict | None, delta: dict) -> dict:
+    """The record after a delta publish. Neither argument is modified."""
+    if existing is None:
+        return delta
+    merged = dict(existing)
+    for name, value in delta.items():
+        old = merged.get(name)
+        if isinstance(value, dict) and isinstance(old, dict):
+            merged[name] = merge(old, value)
+        else:
+            merged[name] = value
+    return merged
+
+
+def changed_fields(old: dict, new: dict) -> dict:
+    """Fields of `new` that differ from `old`, nested objects diffed; removed fields as None."""
+    out: dict = {}
+    for name, value in new.items():
+        before = old.get(name, MISSING)
+        if before is MISSING:
+            out[name] = value
+        elif isinstance(value, dict) and isinstance(before, dict):
+            inner = changed_fields(before, value)
+            if inner:
+                out[name] = inner
+        elif not _same(before, value):
+            out[name] = value
+    for name in old:
+        if name not in new:
+            out[name] = None
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    # 1 == True and 1 == 1.0 in Python; a JSON subscriber sees them as different values.
+    return type(a) is type(b) and a == b
+
+
+def diff(old: dict | None, new: dict, key_paths: tuple[tuple[str, ...], ...]) -> dict:
+    """The delta message for `old` -> `new`: key fields first, then the changed fields."""
+    changes = dict(new) if old is None else changed_fields(old, new)
+    out: dict = {}
+    for parts in key_paths:
+        value = get_path(new, parts)
+        if value is not MISSING:
+            set_path(out, parts, value)
+    for name, value in changes.items():
+        if name in out and isinstance(out[name], dict) and isinstance(value, dict):
+            out[name] = merge(out[name], value)
+        else:
+            out[name] = value
+    return out
+
+
+def has_data_changes(delta: dict, key_paths: tuple[tuple[str, ...], ...]) -> bool:
+    """False when a delta holds nothing but key fields (an 'empty' for no_empties)."""
+    return bool(_strip_keys(delta, key_paths))
+
+
+def _strip_keys(delta: dict, key_paths: tuple[tuple[str, ...], ...]) -> dict:
+    if not key_paths:
+        return delta
+    out = dict(delta)
+    for parts in key_paths:
+        _remove_path(out, parts)
+    return out
+
+
+def _remove_path(record: dict, parts: tuple[str, ...]) -> None:
+    if len(parts) == 1:
+        record.pop(parts[0], None)
+        return
+    child = record.get(parts[0])
+    if isinstance(child, dict):
+        child = dict(child)
+        _remove_path(child, parts[1:])
+        if child:
+            record[parts[0]] = child
+        else:
+            record.pop(parts[0])

@@ -1,0 +1,87 @@
+"""What one subscriber sees of a change: filters, focus (oof), deltas, select lists, empties.
+
+Pure and shared by the client's subscriptions and the workers' server-side views. Input is a change
+as the SOW saw it (the record before, the record after, the op); output is zero or one event dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..api.types import Op
+from .merge import diff, has_data_changes, merge
+from .paths import project, split_path
+
+Predicate = Callable[[dict], bool]
+
+
+def _match_all(record: dict) -> bool:
+    return True
+
+
+@dataclass
+class SubscriptionSpec:
+    filter: Predicate = _match_all
+    delta: bool = False
+    oof: bool = False
+    no_empties: bool = False
+    no_sowkey: bool = False
+    select: tuple[str, ...] = ()
+    key_paths: tuple[tuple[str, ...], ...] = ()
+    _select_split: list = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._select_split = [split_path(p) for p in self.select]
+
+    def matches(self, record: dict | None) -> bool:
+        return record is not None and bool(self.filter(record))
+
+    def shape(self, record: dict, keep_keys: bool = True) -> dict:
+        """Apply the select list (key fields kept, as send_keys does by default)."""
+        if not self._select_split:
+            return record
+        paths = self._select_split + (list(self.key_paths) if keep_keys else [])
+        return project(record, paths)
+
+    def event(self, op: str, key: str, seq: int | None, record: dict, expires_at: int | None = None, **extra: Any) -> dict:
+        out: dict = {"op": op}
+        if not self.no_sowkey:
+            out["sow_key"] = key
+        if seq is not None:
+            out["seq"] = seq
+        if expires_at is not None:
+            out["expires_at"] = expires_at
+        out.update(extra)
+        out["record"] = record
+        return out
+
+    def snapshot(self, key: str, seq: int | None, record: dict, expires_at: int | None = None) -> dict | None:
+        """The event for one record of the initial SOW snapshot, or None if it is filtered out."""
+        if not self.matches(record):
+            return None
+        return self.event("sow", key, seq, self.shape(record), expires_at)
+
+    def change(self, op: Op, key: str, seq: int | None, before: dict | None, after: dict | None, expires_at: int | None = None) -> dict | None:
+        """The event for one change of the SOW, or None when this subscriber gets nothing."""
+        was, now = self.matches(before), self.matches(after)
+        if now:
+            assert after is not None
+            if not self.delta or before is None or (not was and self.oof):
+                return self.event(op.value, key, seq, self.shape(after), expires_at)
+            delta = diff(before, after, self.key_paths)
+            shaped = self.shape(delta)
+            if self.no_empties and not has_data_changes(shaped, self.key_paths):
+                return None
+            return self.event(op.value, key, seq, shaped, expires_at)
+        if was and self.oof:
+            assert before is not None
+            reason = op.value if op.removes else "no_match"
+            last = after if after is not None else before
+            return self.event(Op.OOF.value, key, seq, self.shape(last), expires_at, reason=reason)
+        return None
+
+
+def conflate(pending: dict | None, delta: dict) -> dict:
+    """Merge a delta into the one waiting for the end of a conflation interval."""
+    return delta if pending is None else merge(pending, delta)

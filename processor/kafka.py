@@ -1,0 +1,146 @@
+"""Kafka plumbing shared by the worker, the client and the CLI (confluent-kafka)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from .topology import SowTopic
+
+# librdkafka's default 1 s fetch-queue backoff stalls loops that read to the end of a partition.
+_FAST_FETCH = {"fetch.queue.backoff.ms": 20, "fetch.wait.max.ms": 50}
+
+
+def resolve_bootstrap(bootstrap: str | None) -> str | None:
+    return bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or None
+
+
+def make_producer(bootstrap: str, **overrides) -> Producer:
+    config = {
+        "bootstrap.servers": bootstrap,
+        "linger.ms": 5,
+        "batch.size": 1_000_000,
+        "compression.type": "lz4",
+        "enable.idempotence": True,
+        "acks": "all",
+        "queue.buffering.max.messages": 1_000_000,
+        "partitioner": "murmur2_random",  # the Java client's default: a SowKey lands on its owner partition
+    }
+    config.update(overrides)
+    return Producer(config)
+
+
+def make_consumer(bootstrap: str, group: str | None = None, **overrides) -> Consumer:
+    config = {
+        "bootstrap.servers": bootstrap,
+        "group.id": group or f"ksow-reader-{os.getpid()}-{time.monotonic_ns()}",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": True,
+        **_FAST_FETCH,
+    }
+    config.update(overrides)
+    return Consumer(config)
+
+
+def produce(producer: Producer, topic: str, value, key=None, partition: int | None = None, headers=None, on_delivery=None) -> None:
+    """Produce, waiting for room when the local queue is full instead of failing."""
+    kwargs = {"value": value, "key": key, "headers": headers}
+    if partition is not None:
+        kwargs["partition"] = partition
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
+    while True:
+        try:
+            producer.produce(topic, **kwargs)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
+def topic_configs(spec: SowTopic) -> dict[str, tuple[int, dict[str, str]]]:
+    """Every topic a SOW topic uses: name -> (partitions, configs). All share the partition count."""
+    n = spec.partitions
+    compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
+    topics = {
+        spec.topic: (n, {}),
+        spec.delta_topic: (n, {}),
+        spec.repartition_topic: (n, {}),
+        spec.sow_topic: (n, compacted),
+        spec.diff_topic: (n, {}),
+        spec.errors_topic: (n, {}),
+        spec.dead_topic: (n, {}),
+    }
+    if spec.expired_topic:
+        topics[spec.expired_topic] = (n, {})
+    return topics
+
+
+def ensure_topics(admin: AdminClient, wanted: dict[str, tuple[int, dict[str, str]]], timeout: float = 30.0) -> None:
+    """Create missing topics (existing ones are left as they are), then wait until all are visible."""
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    new = [
+        NewTopic(name, num_partitions=n, replication_factor=-1, config=cfg)
+        for name, (n, cfg) in wanted.items()
+        if name not in existing
+    ]
+    if new:
+        for name, future in admin.create_topics(new, operation_timeout=timeout).items():
+            try:
+                future.result()
+            except KafkaException as exc:
+                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                    raise
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        meta = admin.list_topics(timeout=timeout).topics
+        if all(name in meta and len(meta[name].partitions) == wanted[name][0] for name in wanted):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"topics not visible after {timeout}s: {sorted(wanted)}")
+
+
+def check_partitions(admin: AdminClient, spec: SowTopic) -> None:
+    """`<topic>` and `<topic>.delta` must have the topology's partition count (ownership depends on it)."""
+    meta = admin.list_topics(timeout=30).topics
+    for name in (spec.topic, spec.delta_topic, spec.sow_topic, spec.repartition_topic):
+        count = len(meta[name].partitions)
+        if count != spec.partitions:
+            raise RuntimeError(
+                f"topic {name} has {count} partitions but the topology says partitions: {spec.partitions} for {spec.topic}"
+            )
+
+
+def watermarks(consumer: Consumer, topic: str, partitions: list[int], timeout: float = 30.0) -> dict[int, tuple[int, int]]:
+    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in partitions}
+
+
+def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], timeout: float = 120.0) -> Iterator:
+    """Yield messages of the assigned partitions below their end offsets; stop when all reached them.
+
+    Compacted topics have gaps in their offsets, so "done" is judged by end-of-partition events too.
+    """
+    remaining = {tp: end for tp, end in ends.items() if end > 0}
+    deadline = time.monotonic() + timeout
+    while remaining:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reading {sorted(remaining)} did not reach the end in {timeout}s")
+        for msg in consumer.consume(1000, 0.2):
+            tp = (msg.topic(), msg.partition())
+            end = remaining.get(tp)
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise KafkaException(err)
+                if end is not None and msg.offset() >= end:
+                    remaining.pop(tp)
+                continue
+            if end is None or msg.offset() >= end:
+                continue
+            yield msg
+            if msg.offset() + 1 >= end:
+                remaining.pop(tp)

@@ -1,0 +1,232 @@
+"""The Faust worker: consumes `<topic>`, `<topic>.delta` and `<topic>.repartition` as one consumer
+group, keeps each SOW partition in a store restored from `<topic>.sow` (the changelog), and produces
+the outputs.
+
+Faust gives the worker its group membership, co-partitioned assignment, offset commits, timers and
+web server. The hot path is batched (`take_events`): a batch is applied to the stores, its outputs are
+produced with librdkafka and flushed, the stores commit atomically with their changelog positions,
+and only then are the input offsets acknowledged. A crash at any point therefore loses nothing:
+inputs not acknowledged are read again, and re-applying them is idempotent for the SOW.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+import faust
+from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from ..kafka import check_partitions, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
+from ..topology import Topology
+from .topic_processor import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
+
+log = logging.getLogger("ksow.worker")
+
+BATCH_MAX = 2000
+BATCH_WITHIN = 0.02  # seconds a partial batch may wait
+EXPIRY_TICK = 0.05  # seconds between expiry sweeps (only due records are read)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SowWorker:
+    def __init__(
+        self,
+        topology: Topology,
+        bootstrap: str,
+        group: str = "ksow",
+        data_dir: Path | None = None,
+        web_port: int | None = None,
+        topology_dir: Path | None = None,
+    ):
+        self.topology = topology
+        self.bootstrap = bootstrap
+        self.group = group
+        self.web_port = web_port or free_port()
+        self.data_dir = Path(data_dir or Path.home() / ".cache" / "ksow" / "data" / group / f"{socket.gethostname()}-{self.web_port}")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.processors = {s.topic: SowTopicProcessor(s, self.data_dir / "sow", topology_dir) for s in topology.sow}
+        self.locks = {name: asyncio.Lock() for name in self.processors}
+        self.ready: set[tuple[str, int]] = set()
+        self.producer = make_producer(bootstrap)
+        self.app = self._make_app()
+
+    # setup -----------------------------------------------------------------------
+    def _make_app(self) -> faust.App:
+        app = faust.App(
+            self.group,
+            broker=f"kafka://{self.bootstrap}",
+            store="memory://",
+            datadir=str(self.data_dir / "faust"),
+            broker_session_timeout=10,
+            broker_heartbeat_interval=2,
+            broker_commit_interval=1.0,
+            consumer_auto_offset_reset="earliest",
+            topic_replication_factor=1,
+            web_enabled=True,
+            web_bind="127.0.0.1",
+            web_host="127.0.0.1",
+            web_port=self.web_port,
+            stream_buffer_maxsize=BATCH_MAX * 2,
+        )
+        for name, proc in self.processors.items():
+            spec = proc.spec
+            channel = app.topic(
+                spec.topic, spec.delta_topic, spec.repartition_topic,
+                key_serializer="raw", value_serializer="raw", partitions=spec.partitions,
+            )
+            app.agent(channel, name=f"ksow-{name}")(self._agent_for(proc))
+        app.on_partitions_assigned.connect(self._on_assigned)
+        app.on_partitions_revoked.connect(self._on_revoked)
+        app.timer(EXPIRY_TICK, name="ksow-expiry")(self._expiry_tick)
+        return app
+
+    def create_topics(self) -> None:
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        wanted: dict = {}
+        for proc in self.processors.values():
+            wanted.update(topic_configs(proc.spec))
+        ensure_topics(admin, wanted)
+        for proc in self.processors.values():
+            check_partitions(admin, proc.spec)
+
+    # the hot path ----------------------------------------------------------------------
+    def _agent_for(self, proc: SowTopicProcessor):
+        async def sow_agent(stream):
+            async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN):
+                await self.process(proc, [_input(e.message) for e in events])
+
+        return sow_agent
+
+    async def process(self, proc: SowTopicProcessor, messages: list[InputMessage]) -> None:
+        async with self.locks[proc.spec.topic]:
+            for p in {m.partition for m in messages}:
+                await self._restore_locked(proc, p)
+            try:
+                await self._deliver(proc, proc.handle(messages))
+            except BaseException:
+                proc.rollback()
+                raise
+
+    async def _deliver(self, proc: SowTopicProcessor, requests: list[ProduceRequest]) -> None:
+        """Produce, wait for every delivery, then commit the stores with their changelog positions."""
+        sow_topic = proc.spec.sow_topic
+        positions: dict[int, int] = {}
+        failures: list = []
+
+        def delivered(err, msg) -> None:
+            if err is not None:
+                failures.append(err)
+            elif msg.topic() == sow_topic:
+                p = msg.partition()
+                positions[p] = max(positions.get(p, 0), msg.offset() + 1)
+
+        for r in requests:
+            produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, delivered)
+        if requests:
+            await asyncio.get_running_loop().run_in_executor(None, self.producer.flush)
+        if failures:
+            raise KafkaException(failures[0])
+        for p in list(proc.stores):
+            proc.commit(p, positions.get(p))
+
+    # partitions: restore on assignment, close on revocation ---------------------------------
+    def _owned(self, proc: SowTopicProcessor, tps) -> set[int]:
+        names = {proc.spec.topic, proc.spec.delta_topic, proc.spec.repartition_topic}
+        return {tp.partition for tp in tps if tp.topic in names}
+
+    async def _on_assigned(self, app, assigned, **kwargs) -> None:
+        for name, proc in self.processors.items():
+            for p in self._owned(proc, assigned):
+                asyncio.ensure_future(self._restore(proc, p))
+
+    async def _on_revoked(self, app, revoked, **kwargs) -> None:
+        for name, proc in self.processors.items():
+            lost = self._owned(proc, revoked)
+            if not lost:
+                continue
+            async with self.locks[name]:
+                for p in lost:
+                    self.ready.discard((name, p))
+                    proc.close(p)
+
+    async def _restore(self, proc: SowTopicProcessor, p: int) -> None:
+        async with self.locks[proc.spec.topic]:
+            await self._restore_locked(proc, p)
+
+    async def _restore_locked(self, proc: SowTopicProcessor, p: int) -> None:
+        key = (proc.spec.topic, p)
+        if key in self.ready:
+            return
+        if proc.restores:
+            count = await asyncio.get_running_loop().run_in_executor(None, self._replay_changelog, proc, p)
+            log.info("restored %s partition %d: %d changelog records, %d in SOW", proc.spec.topic, p, count, proc.open(p).count())
+        else:
+            proc.open(p)
+        self.ready.add(key)
+        # Records whose instant passed while nobody owned them go before any new publish.
+        while requests := proc.expire_due(p):
+            await self._deliver(proc, requests)
+            if len(requests) < EXPIRE_BATCH:
+                break
+
+    def _replay_changelog(self, proc: SowTopicProcessor, p: int) -> int:
+        """Bring partition p's store up to the end of `<topic>.sow` (runs in a thread)."""
+        topic = proc.spec.sow_topic
+        consumer = make_consumer(self.bootstrap)
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            position = proc.changelog_position(p)
+            if position < low or position > high:  # compacted past us, or a recreated topic
+                proc.open(p).clear()
+                position = low
+            count = 0
+            if position < high:
+                consumer.assign([TopicPartition(topic, p, position)])
+                for msg in read_until(consumer, {(topic, p): high}):
+                    ts = msg.timestamp()[1]
+                    proc.restore(p, msg.key(), msg.value(), msg.headers(), ts)
+                    count += 1
+                    if count % 20000 == 0:
+                        proc.commit(p, msg.offset() + 1)
+            proc.commit(p, high)
+            return count
+        finally:
+            consumer.close()
+
+    # expiry --------------------------------------------------------------------------
+    async def _expiry_tick(self) -> None:
+        for name, proc in self.processors.items():
+            if not proc.spec.expiry.active:
+                continue
+            async with self.locks[name]:
+                for (topic, p) in list(self.ready):
+                    if topic == name:
+                        requests = proc.expire_due(p)
+                        if requests:
+                            await self._deliver(proc, requests)
+
+    # running ----------------------------------------------------------------------------
+    def run(self, loglevel: str = "info") -> None:
+        """Run until stopped (SIGINT/SIGTERM); exits the process like any Faust worker."""
+        self.create_topics()
+        os.environ.setdefault("F_BLOCKING_TIMEOUT", "0")
+        worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        worker.execute_from_commandline()
+
+
+def _input(message) -> InputMessage:
+    headers = message.headers
+    if isinstance(headers, Mapping):
+        headers = list(headers.items())
+    return InputMessage(message.topic, message.partition, message.offset, message.key, message.value, headers)

@@ -1,0 +1,262 @@
+"""The engine-neutral heart of a worker: applies input messages of one SOW topic to its partitions.
+
+A runner (Faust today) owns the Kafka side: it consumes, hands batches here, produces what comes
+back, and after the producer has delivered calls `commit` with the changelog positions. This class
+owns the semantics around the pure core: routing to the partition that owns a SowKey, event IDs,
+deletes by keys and by filter, expiry, and restoring partitions from the changelog (`<topic>.sow`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ..api.types import Command, InputError, Op, OutputEvent, SowCommand, SowRecord
+from ..core.codec import Codec, codec_for
+from ..core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
+from ..core.keys import owner_partition
+from ..core.sow import Transition, apply_write, removal, render
+from ..state.base import IndexSpec, PartitionStore, open_partition_store
+from ..topology import Persistence, SowTopic
+
+H_ORIGIN = "ksow-origin"  # internal: the command a rerouted message defaulted to on its first topic
+H_LOCAL = "ksow-local"  # internal: a fanned-out delete applies to this partition only
+SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
+EXPIRE_BATCH = 2000  # records removed per partition per tick, so a backlog never stalls ingestion
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(slots=True)
+class InputMessage:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] | None
+
+
+@dataclass(slots=True)
+class ProduceRequest:
+    topic: str
+    partition: int | None
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    changelog: int | None = None  # SOW partition whose changelog this record is (for positions)
+
+
+class SowTopicProcessor:
+    """All partitions of one SOW topic that this worker owns."""
+
+    def __init__(self, spec: SowTopic, data_dir: Path | None, topology_dir: Path | None = None):
+        self.spec = spec
+        self.codec: Codec = codec_for(spec.message_type.value, spec.schema_, topology_dir)
+        self.key_paths = spec.key_spec.split
+        self.data_dir = data_dir
+        self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0)
+        self.stores: dict[int, PartitionStore] = {}
+        self._defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
+        self._stream_topics = {"sow": spec.sow_topic, "diff": spec.diff_topic, "expired": spec.expired_topic, "dead": spec.dead_topic}
+
+    # partitions --------------------------------------------------------------
+    @property
+    def keeps_state(self) -> bool:
+        return self.spec.persistence is not Persistence.TRANSIENT
+
+    @property
+    def restores(self) -> bool:
+        """Whether a partition's SOW is rebuilt from the changelog when this worker takes it."""
+        return self.spec.persistence in (Persistence.PERSISTENT, Persistence.MEMORY)
+
+    def open(self, p: int) -> PartitionStore:
+        store = self.stores.get(p)
+        if store is None:
+            if self.spec.persistence is Persistence.PERSISTENT:
+                assert self.data_dir is not None
+                path = self.data_dir / self.spec.topic / f"p{p}"
+                store = open_partition_store("rocksdb", str(path), self.indexes)
+            else:
+                store = open_partition_store("memory", None, self.indexes)
+            self.stores[p] = store
+        return store
+
+    def close(self, p: int) -> None:
+        store = self.stores.pop(p, None)
+        if store is not None:
+            store.rollback()
+            store.close()
+
+    def changelog_position(self, p: int) -> int:
+        """Next `<topic>.sow` offset the local store has not seen."""
+        return self.open(p).meta("changelog")
+
+    def restore(self, p: int, key: bytes | None, value: bytes | None, headers: list | None, timestamp: int) -> None:
+        """Apply one `<topic>.sow` record to partition p's store (replaying the changelog)."""
+        if key is None:
+            return
+        store = self.open(p)
+        hmap = dict(headers or ())
+        seq = int(hmap[H_SEQ]) if H_SEQ in hmap else 0
+        if seq:
+            store.set_meta("counter", max(store.meta("counter"), seq >> SEQ_PARTITION_BITS))
+        if value is None:
+            store.stage(key.decode(), None)
+            return
+        expires = int(hmap[H_EXPIRES_AT]) if H_EXPIRES_AT in hmap else None
+        store.stage(key.decode(), SowRecord(self.codec.decode(value), seq, expires, timestamp))
+
+    def commit(self, p: int, changelog_next: int | None = None) -> None:
+        store = self.stores.get(p)
+        if store is None:
+            return
+        if changelog_next is not None and changelog_next > store.meta("changelog"):
+            store.set_meta("changelog", changelog_next)
+        if store.dirty:
+            store.commit()
+
+    def rollback(self) -> None:
+        for store in self.stores.values():
+            store.rollback()
+
+    # event IDs -----------------------------------------------------------------
+    def next_seq(self, p: int, now: int) -> int:
+        """Increasing per partition, unique in the topic, never reused: a counter floored by the clock
+        (so a partition rebuilt from a compacted changelog never hands out an old number again)."""
+        store = self.stores[p]
+        counter = max(store.meta("counter") + 1, now * 1000)
+        store.set_meta("counter", counter)
+        return (counter << SEQ_PARTITION_BITS) | p
+
+    # inputs --------------------------------------------------------------------
+    def handle(self, messages: Iterable[InputMessage], now: int | None = None) -> list[ProduceRequest]:
+        now = now_ms() if now is None else now
+        out: list[ProduceRequest] = []
+        for msg in messages:
+            try:
+                self._handle_one(msg, now, out)
+            except InputError as exc:
+                out.append(self._error(msg, str(exc)))
+        return out
+
+    def _handle_one(self, msg: InputMessage, now: int, out: list[ProduceRequest]) -> None:
+        headers = header_map(msg.headers)
+        default = self._defaults.get(msg.topic)
+        if default is None:  # the repartition topic: the first topic's default travels in a header
+            origin = dict(msg.headers or ()).get(H_ORIGIN, b"publish")
+            default = Command(origin.decode())
+        cmd = parse_command(self.spec.key_spec, self.codec, default, msg.value, headers)
+        n = self.spec.partitions
+        if cmd.sow_key is not None:
+            owner = owner_partition(cmd.sow_key, n)
+            if owner != msg.partition:
+                out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
+                return
+        elif cmd.keys and not self._is_local(msg):
+            for key in cmd.keys:  # each key is deleted by the partition that owns it
+                extra = [(H_KEYS, key.encode())]
+                out.append(self._reroute(msg, default, owner_partition(key, n), key.encode(), extra))
+            return
+        elif cmd.filter is not None and not self._is_local(msg):
+            for p in range(n):  # every partition deletes its own matches
+                out.append(self._reroute(msg, default, p, msg.key))
+            return
+        self.open(msg.partition)
+        if cmd.command is Command.SOW_DELETE:
+            self._delete(msg.partition, cmd, now, out)
+        else:
+            self._write(msg.partition, cmd, now, out)
+
+    @staticmethod
+    def _is_local(msg: InputMessage) -> bool:
+        return any(name == H_LOCAL for name, _ in msg.headers or ())
+
+    def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: list | None = None) -> ProduceRequest:
+        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL) and not (extra and k == H_KEYS)]
+        headers += [(H_ORIGIN, default.value.encode()), (H_LOCAL, b"1")] + (extra or [])
+        return ProduceRequest(self.spec.repartition_topic, p, key, msg.value, headers)
+
+    def _error(self, msg: InputMessage, reason: str) -> ProduceRequest:
+        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL)]
+        headers += [
+            (H_ERROR, reason.encode()),
+            ("sow-error-topic", msg.topic.encode()),
+            ("sow-error-partition", str(msg.partition).encode()),
+            ("sow-error-offset", str(msg.offset).encode()),
+        ]
+        return ProduceRequest(self.spec.errors_topic, None, msg.key, msg.value, headers)
+
+    def _write(self, p: int, cmd: SowCommand, now: int, out: list[ProduceRequest]) -> None:
+        store = self.stores[p]
+        key = cmd.sow_key
+        assert key is not None
+        before = store.get(key) if self.keeps_state else None
+        if before is not None and self.spec.expiry.active and before.expires_at is not None and before.expires_at <= now:
+            self._emit(p, removal(Op.EXPIRE, key, before, now, self.next_seq(p, now)), out)
+            before = None
+        t = apply_write(key, before, cmd, self.spec.expiry, self.key_paths, now, self.next_seq(p, now))
+        if self.keeps_state:
+            store.stage(key, t.after)
+        self._emit(p, t, out)
+
+    def _delete(self, p: int, cmd: SowCommand, now: int, out: list[ProduceRequest]) -> None:
+        if cmd.sow_key is not None:
+            keys: Iterable[str] = (cmd.sow_key,)
+        elif cmd.keys:
+            keys = [k for k in cmd.keys if owner_partition(k, self.spec.partitions) == p]
+        else:
+            keys = list(self.matching(p, cmd.filter or "1=1"))
+        store = self.stores[p]
+        for key in keys:
+            before = store.get(key)
+            if before is not None:
+                store.stage(key, None)
+                self._emit(p, removal(Op.DELETE, key, before, now, self.next_seq(p, now)), out)
+
+    def matching(self, p: int, filter_text: str) -> Iterator[str]:
+        """SowKeys of partition p's committed records that match a filter."""
+        from ..core.filters import compile_filter
+
+        predicate = compile_filter(filter_text)
+        for key, record in self.open(p).records():
+            if predicate.matches(record.data):
+                yield key
+
+    # expiry ----------------------------------------------------------------------
+    def expire_due(self, p: int, now: int | None = None) -> list[ProduceRequest]:
+        """Remove partition p's records whose instant has passed (at most EXPIRE_BATCH per call)."""
+        out: list[ProduceRequest] = []
+        if not self.spec.expiry.active or p not in self.stores:
+            return out
+        now = now_ms() if now is None else now
+        store = self.stores[p]
+        for n, (at, key) in enumerate(store.due(now)):
+            if n >= EXPIRE_BATCH:
+                break
+            record = store.get(key)
+            if record is None or record.expires_at != at:
+                continue  # updated or deleted in this batch already
+            store.stage(key, None)
+            self._emit(p, removal(Op.EXPIRE, key, record, now, self.next_seq(p, now)), out)
+        return out
+
+    # outputs ---------------------------------------------------------------------
+    def _emit(self, p: int, t: Transition, out: list[ProduceRequest]) -> None:
+        for event in render(t, self.codec, self.spec.expired_topic is not None):
+            changelog = p if event.stream == "sow" else None
+            out.append(ProduceRequest(self._stream_topics[event.stream], p, event.key, event.value, event.headers, changelog))
+
+    def output_topics(self) -> list[str]:
+        spec = self.spec
+        names = [spec.sow_topic, spec.diff_topic, spec.errors_topic, spec.repartition_topic, spec.dead_topic]
+        if spec.expired_topic:
+            names.append(spec.expired_topic)
+        return names
+
+
+__all__ = ["InputMessage", "OutputEvent", "ProduceRequest", "SowTopicProcessor"]

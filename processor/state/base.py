@@ -1,0 +1,212 @@
+"""The store contract: one SOW partition over an ordered key-value backend.
+
+The backend only has to keep ordered bytes and commit a batch atomically (`KeyValueBackend`).
+Everything SOW-specific lives here, once, for every backend:
+
+  r<SowKey>                        -> record (seq, expires_at, updated_at, data)
+  x<expires_at:be64><SowKey>       -> ''      expiry index: each tick reads only what is due
+  u<updated_at:be64><SowKey>       -> ''      age index: capacity evicts the least recently updated
+  i<index#><values hash><SowKey>   -> ''      hash indexes: equality queries without a scan
+  m<name>                          -> int     metadata (changelog position, event-ID counter, count)
+
+Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
+batch, so a crash leaves the store at a consistent changelog position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import orjson
+
+from ..api.types import SowRecord
+from ..core.paths import MISSING, get_path, split_path
+
+_REC = b"r"
+_EXP = b"x"
+_AGE = b"u"
+_IDX = b"i"
+_META = b"m"
+_HEADER = struct.Struct(">qqq")
+_BE64 = struct.Struct(">Q")
+_INT = struct.Struct(">q")
+_NO_EXPIRY = -1
+_END = b"\xff" * 9
+
+
+class KeyValueBackend(Protocol):
+    """What a backend provides: point reads, ordered range scans, atomic batch commits."""
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]: ...
+
+    def commit(self, writes: dict[bytes, bytes | None]) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """Secondary structures a topic needs beside its records."""
+
+    hash_indexes: tuple[tuple[str, ...], ...] = ()
+    track_age: bool = False  # only topics with a capacity pay for the age index
+
+    @property
+    def split(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        return tuple(tuple(split_path(p) for p in index) for index in self.hash_indexes)
+
+
+def encode_record(record: SowRecord) -> bytes:
+    expires = _NO_EXPIRY if record.expires_at is None else record.expires_at
+    return _HEADER.pack(record.seq, expires, record.updated_at) + orjson.dumps(record.data)
+
+
+def decode_record(raw: bytes) -> SowRecord:
+    seq, expires, updated = _HEADER.unpack_from(raw)
+    return SowRecord(orjson.loads(raw[_HEADER.size :]), seq, None if expires == _NO_EXPIRY else expires, updated)
+
+
+def index_value_hash(values: tuple) -> bytes:
+    """Fixed-width digest of an index's values, so range scans can find one value's entries."""
+    return hashlib.blake2b(orjson.dumps(values), digest_size=8).digest()
+
+
+@dataclass
+class PartitionStore:
+    """One partition of one SOW topic. Not thread-safe: its runner serialises access."""
+
+    backend: KeyValueBackend
+    indexes: IndexSpec = field(default_factory=IndexSpec)
+    _staged: dict[str, SowRecord | None] = field(default_factory=dict)
+    _committed: dict[str, SowRecord | None] = field(default_factory=dict)
+    _meta: dict[str, int] = field(default_factory=dict)
+
+    # reads -----------------------------------------------------------------
+    def get(self, key: str) -> SowRecord | None:
+        if key in self._staged:
+            return self._staged[key]
+        return self._load(key)
+
+    def _load(self, key: str) -> SowRecord | None:
+        raw = self.backend.get(_REC + key.encode())
+        return None if raw is None else decode_record(raw)
+
+    def meta(self, name: str, default: int = 0) -> int:
+        if name in self._meta:
+            return self._meta[name]
+        raw = self.backend.get(_META + name.encode())
+        return default if raw is None else _INT.unpack(raw)[0]
+
+    def records(self) -> Iterator[tuple[str, SowRecord]]:
+        """Every committed record, in SowKey byte order (staged writes are not visible here)."""
+        for k, v in self.backend.scan(_REC, _REC + _END):
+            yield k[1:].decode(), decode_record(v)
+
+    def count(self) -> int:
+        return self.meta("count")
+
+    def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
+        """(expires_at, SowKey) of committed records whose instant is at or before now_ms."""
+        stop = _EXP + _BE64.pack(now_ms + 1)
+        for k, _ in self.backend.scan(_EXP, stop):
+            yield _BE64.unpack_from(k, 1)[0], k[9:].decode()
+
+    def oldest(self) -> Iterator[tuple[int, str]]:
+        """(updated_at, SowKey), least recently updated first (needs IndexSpec.track_age)."""
+        for k, _ in self.backend.scan(_AGE, _AGE + _END):
+            yield _BE64.unpack_from(k, 1)[0], k[9:].decode()
+
+    def lookup(self, index_no: int, values: tuple) -> Iterator[str]:
+        """SowKeys whose fields of hash index `index_no` equal `values` (committed state)."""
+        prefix = _IDX + bytes([index_no]) + index_value_hash(values)
+        for k, _ in self.backend.scan(prefix, prefix + _END):
+            yield k[len(prefix) :].decode()
+
+    # writes ----------------------------------------------------------------
+    def stage(self, key: str, record: SowRecord | None) -> None:
+        """Put (or with None, remove) a record; visible to get() at once, durable at commit()."""
+        if key not in self._committed:
+            self._committed[key] = self._load(key)
+        self._staged[key] = record
+
+    def set_meta(self, name: str, value: int) -> None:
+        self._meta[name] = value
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._staged or self._meta)
+
+    def commit(self) -> None:
+        writes: dict[bytes, bytes | None] = {}
+        count = self.meta("count")
+        for key, after in self._staged.items():
+            before = self._committed[key]
+            kb = key.encode()
+            if before is not None:
+                self._unindex(writes, kb, before)
+                count -= 1
+            if after is not None:
+                writes[_REC + kb] = encode_record(after)
+                self._index(writes, kb, after)
+                count += 1
+            else:
+                writes[_REC + kb] = None
+        self._meta["count"] = count
+        for name, value in self._meta.items():
+            writes[_META + name.encode()] = _INT.pack(value)
+        self.backend.commit(writes)
+        self._staged.clear()
+        self._committed.clear()
+        self._meta.clear()
+
+    def rollback(self) -> None:
+        self._staged.clear()
+        self._committed.clear()
+        self._meta.clear()
+
+    def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
+        if record.expires_at is not None:
+            yield _EXP + _BE64.pack(record.expires_at) + kb
+        if self.indexes.track_age:
+            yield _AGE + _BE64.pack(record.updated_at) + kb
+        for no, paths in enumerate(self.indexes.split):
+            values = tuple(get_path(record.data, p) for p in paths)
+            if all(v is not MISSING and v is not None for v in values):
+                yield _IDX + bytes([no]) + index_value_hash(values) + kb
+
+    def _index(self, writes: dict, kb: bytes, record: SowRecord) -> None:
+        for entry in self._entries(kb, record):
+            writes[entry] = b""
+
+    def _unindex(self, writes: dict, kb: bytes, record: SowRecord) -> None:
+        for entry in self._entries(kb, record):
+            writes.setdefault(entry, None)
+
+    def clear(self) -> None:
+        """Forget everything and start empty (the changelog is then replayed from the start)."""
+        self.rollback()
+        self.backend.clear()
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def open_partition_store(kind: str, path: str | None, indexes: IndexSpec) -> PartitionStore:
+    """A store for one partition: kind 'rocksdb' (a folder at path) or 'memory'."""
+    if kind == "rocksdb":
+        from .rocksdb import RocksDBBackend
+
+        assert path is not None
+        return PartitionStore(RocksDBBackend(path), indexes)
+    if kind == "memory":
+        from .memory import MemoryBackend
+
+        return PartitionStore(MemoryBackend(), indexes)
+    raise ValueError(f"unknown store kind {kind!r}")

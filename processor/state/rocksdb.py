@@ -1,0 +1,50 @@
+"""RocksDB backend through rocksdict: bytes keys and values, atomic WriteBatch commits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from rocksdict import Options, Rdict, WriteBatch
+
+
+class RocksDBBackend:
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = self._open()
+
+    def _open(self) -> Rdict:
+        options = Options(raw_mode=True)
+        options.create_if_missing(True)
+        return Rdict(self.path, options)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._db.get(key)
+
+    def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
+        it = self._db.iter()
+        it.seek(start)
+        while it.valid():
+            key = it.key()
+            if key >= stop:
+                break
+            yield key, it.value()
+            it.next()
+
+    def commit(self, writes: dict[bytes, bytes | None]) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for key, value in writes.items():
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        self._db.write(batch)
+
+    def clear(self) -> None:
+        self._db.close()
+        Rdict.destroy(self.path, Options(raw_mode=True))
+        self._db = self._open()
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,256 @@
+"""The topology file: SOW topics and views, validated at start with pydantic.
+
+Errors name the topic (or view) and the field, e.g. `sow[orders].expiration: not a duration`.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .core.durations import DurationError, parse_duration_ms
+from .core.expiry import ExpirationMode, ExpiryPolicy
+from .core.keys import KeySpec
+from .core.paths import PathError, split_path
+
+DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "default.yaml"
+
+
+class TopologyError(ValueError):
+    """A topology that cannot be used; the message names the topic and the field."""
+
+
+class Persistence(str, Enum):
+    PERSISTENT = "persistent"  # RocksDB + changelog
+    MEMORY = "memory"  # memory, rebuilt from the changelog on start
+    SIMPLE = "simple"  # memory, no changelog: lost on restart
+    TRANSIENT = "transient"  # no SOW: records relayed, deltas not merged
+
+
+class CapacityPolicy(str, Enum):
+    EVICT_OLDEST = "evict_oldest"
+    REJECT = "reject"
+
+
+class MessageType(str, Enum):
+    JSON = "json"
+    AVRO = "avro"
+
+
+def _duration_or_none(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration_ms(value)
+    except DurationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _check_paths(paths: list[str]) -> list[str]:
+    for path in paths:
+        try:
+            split_path(path)
+        except PathError as exc:
+            raise ValueError(str(exc)) from None
+    return paths
+
+
+class SowTopic(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    topic: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    key: list[str] = Field(default_factory=list)
+    key_domain: str | None = None
+    message_type: MessageType = MessageType.JSON
+    schema_: str | None = Field(default=None, alias="schema")
+    expiration: str | int | float | None = None
+    min_expiration: str | int | float | None = None
+    max_expiration: str | int | float | None = None
+    persistence: Persistence = Persistence.PERSISTENT
+    capacity: int = Field(default=0, ge=0)
+    capacity_policy: CapacityPolicy = CapacityPolicy.EVICT_OLDEST
+    expiry_topic: str | None = None
+    dead_event_topic: str | None = None
+    hash_indexes: list[list[str]] = Field(default_factory=list)
+    partitions: int = Field(default=8, ge=1, le=1024)
+
+    @field_validator("key")
+    @classmethod
+    def _key_paths(cls, value: list[str]) -> list[str]:
+        return _check_paths(value)
+
+    @field_validator("hash_indexes")
+    @classmethod
+    def _index_paths(cls, value: list[list[str]]) -> list[list[str]]:
+        for index in value:
+            if not index:
+                raise ValueError("an index needs at least one field path")
+            _check_paths(index)
+        return value
+
+    @field_validator("expiration")
+    @classmethod
+    def _expiration(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("disabled", "enabled")):
+            return value
+        _duration_or_none(value)
+        return value
+
+    @field_validator("min_expiration", "max_expiration")
+    @classmethod
+    def _clamp(cls, value: Any) -> Any:
+        _duration_or_none(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SowTopic":
+        lo, hi = _duration_or_none(self.min_expiration), _duration_or_none(self.max_expiration)
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError("min_expiration is greater than max_expiration")
+        if self.message_type is MessageType.AVRO and not self.schema_:
+            raise ValueError("message_type avro needs schema: schemas/<file>.avsc")
+        return self
+
+    @cached_property
+    def key_spec(self) -> KeySpec:
+        return KeySpec(domain=self.key_domain or self.topic, paths=tuple(self.key))
+
+    @cached_property
+    def expiry(self) -> ExpiryPolicy:
+        raw = self.expiration
+        lo, hi = _duration_or_none(self.min_expiration), _duration_or_none(self.max_expiration)
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() == "disabled"):
+            return ExpiryPolicy(ExpirationMode.DISABLED, None, lo, hi)
+        if isinstance(raw, str) and raw.strip().lower() == "enabled":
+            return ExpiryPolicy(ExpirationMode.ENABLED, None, lo, hi)
+        return ExpiryPolicy(ExpirationMode.DEFAULT, _duration_or_none(raw), lo, hi)
+
+    # Derived topic names (contract: "Topics").
+    @property
+    def delta_topic(self) -> str:
+        return f"{self.topic}.delta"
+
+    @property
+    def sow_topic(self) -> str:
+        return f"{self.topic}.sow"
+
+    @property
+    def diff_topic(self) -> str:
+        return f"{self.topic}.diff"
+
+    @property
+    def errors_topic(self) -> str:
+        return f"{self.topic}.errors"
+
+    @property
+    def repartition_topic(self) -> str:
+        """Internal: inputs whose Kafka key did not route them to their SowKey's partition."""
+        return f"{self.topic}.repartition"
+
+    @property
+    def expired_topic(self) -> str | None:
+        if self.expiry_topic and self.expiry_topic.lower() == "none":
+            return None
+        return self.expiry_topic or f"EXP.{self.topic}"
+
+    @property
+    def dead_topic(self) -> str:
+        return self.dead_event_topic or f"{self.topic}.dead"
+
+
+class View(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    topic: str
+    filter: str = "1=1"
+    select: list[str] = Field(default_factory=list)
+    options: list[str] = Field(default_factory=list)
+    conflation: str | int | float | None = None
+
+    @field_validator("select")
+    @classmethod
+    def _select(cls, value: list[str]) -> list[str]:
+        return _check_paths(value)
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, value: list[str]) -> list[str]:
+        allowed = {"oof", "no_empties", "no_sowkey", "send_keys"}
+        for option in value:
+            if option not in allowed:
+                raise ValueError(f"unknown option {option!r} (allowed: {', '.join(sorted(allowed))})")
+        return value
+
+    @field_validator("conflation")
+    @classmethod
+    def _conflation(cls, value: Any) -> Any:
+        _duration_or_none(value)
+        return value
+
+
+class Topology(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sow: list[SowTopic] = Field(default_factory=list)
+    views: list[View] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _references(self) -> "Topology":
+        names = [t.topic for t in self.sow]
+        if len(set(names)) != len(names):
+            raise ValueError("a SOW topic is defined twice")
+        for view in self.views:
+            if view.topic not in names:
+                raise ValueError(f"view {view.name} refers to unknown SOW topic {view.topic}")
+        return self
+
+    def topic(self, name: str) -> SowTopic:
+        for spec in self.sow:
+            if spec.topic == name:
+                return spec
+        raise TopologyError(f"topic {name!r} is not a SOW topic of this topology (known: {', '.join(t.topic for t in self.sow)})")
+
+
+def _describe(exc: ValidationError, raw: dict) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = list(error["loc"])
+        where = []
+        if len(loc) >= 2 and loc[0] in ("sow", "views") and isinstance(loc[1], int):
+            section, index = loc[0], loc[1]
+            entries = raw.get(section) or []
+            entry = entries[index] if index < len(entries) and isinstance(entries[index], dict) else {}
+            label = entry.get("topic" if section == "sow" else "name", f"#{index}")
+            where.append(f"{section}[{label}]")
+            loc = loc[2:]
+        where.append(".".join(str(p) for p in loc))
+        lines.append(f"{'.'.join(w for w in where if w)}: {error['msg']}")
+    return "invalid topology: " + "; ".join(lines)
+
+
+def parse_topology(raw: Any) -> Topology:
+    if not isinstance(raw, dict):
+        raise TopologyError("invalid topology: the file must be a mapping with 'sow' and 'views'")
+    try:
+        return Topology.model_validate(raw)
+    except ValidationError as exc:
+        raise TopologyError(_describe(exc, raw)) from None
+
+
+def load_topology(path: str | os.PathLike | None = None) -> Topology:
+    """Read a topology file (default: $KSOW_TOPOLOGY, else topology/default.yaml)."""
+    path = Path(path or os.environ.get("KSOW_TOPOLOGY") or DEFAULT_TOPOLOGY)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TopologyError(f"topology file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"topology file {path} is not valid YAML: {exc}") from None
+    return parse_topology(raw)
