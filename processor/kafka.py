@@ -47,9 +47,11 @@ def make_consumer(bootstrap: str, group: str | None = None, **overrides) -> Cons
     return Consumer(config)
 
 
-def produce(producer: Producer, topic: str, value, key=None, partition: int | None = None, headers=None, on_delivery=None) -> None:
+def produce(producer: Producer, topic: str, value, key=None, partition: int | None = None, headers=None, on_delivery=None, timestamp: int = 0) -> None:
     """Produce, waiting for room when the local queue is full instead of failing."""
     kwargs = {"value": value, "key": key, "headers": headers}
+    if timestamp:
+        kwargs["timestamp"] = timestamp
     if partition is not None:
         kwargs["partition"] = partition
     if on_delivery is not None:

@@ -132,7 +132,7 @@ class SowWorker:
                 positions[p] = max(positions.get(p, 0), msg.offset() + 1)
 
         for r in requests:
-            produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, delivered)
+            produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, delivered, r.timestamp)
         if requests:
             await asyncio.get_running_loop().run_in_executor(None, self.producer.flush)
         if failures:
@@ -229,4 +229,5 @@ def _input(message) -> InputMessage:
     headers = message.headers
     if isinstance(headers, Mapping):
         headers = list(headers.items())
-    return InputMessage(message.topic, message.partition, message.offset, message.key, message.value, headers)
+    timestamp = int(message.timestamp * 1000) if message.timestamp else 0
+    return InputMessage(message.topic, message.partition, message.offset, message.key, message.value, headers, timestamp)

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 from ..api.types import Command, InputError, Op, OutputEvent, SowCommand, SowRecord
 from ..core.codec import Codec, codec_for
 from ..core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
+from ..core.expiry import is_due
 from ..core.keys import owner_partition
 from ..core.sow import Transition, apply_write, removal, render
 from ..state.base import IndexSpec, PartitionStore, open_partition_store
@@ -39,6 +40,7 @@ class InputMessage:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]] | None
+    timestamp: int  # epoch ms the message reached Kafka: the instant a publish counts from
 
 
 @dataclass(slots=True)
@@ -49,6 +51,7 @@ class ProduceRequest:
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
     changelog: int | None = None  # SOW partition whose changelog this record is (for positions)
+    timestamp: int = 0  # keep the original publish time on rerouted inputs (0: now)
 
 
 class SowTopicProcessor:
@@ -170,7 +173,7 @@ class SowTopicProcessor:
         if cmd.command is Command.SOW_DELETE:
             self._delete(msg.partition, cmd, now, out)
         else:
-            self._write(msg.partition, cmd, now, out)
+            self._write(msg.partition, cmd, msg.timestamp or now, now, out)
 
     @staticmethod
     def _is_local(msg: InputMessage) -> bool:
@@ -179,7 +182,7 @@ class SowTopicProcessor:
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: list | None = None) -> ProduceRequest:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL) and not (extra and k == H_KEYS)]
         headers += [(H_ORIGIN, default.value.encode()), (H_LOCAL, b"1")] + (extra or [])
-        return ProduceRequest(self.spec.repartition_topic, p, key, msg.value, headers)
+        return ProduceRequest(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)
 
     def _error(self, msg: InputMessage, reason: str) -> ProduceRequest:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL)]
@@ -191,15 +194,17 @@ class SowTopicProcessor:
         ]
         return ProduceRequest(self.spec.errors_topic, None, msg.key, msg.value, headers)
 
-    def _write(self, p: int, cmd: SowCommand, now: int, out: list[ProduceRequest]) -> None:
+    def _write(self, p: int, cmd: SowCommand, published: int, now: int, out: list[ProduceRequest]) -> None:
+        """Lifetimes count from `published` (the input's Kafka timestamp, i.e. its arrival), so a
+        replay of the input topics computes the same instants as the live worker did."""
         store = self.stores[p]
         key = cmd.sow_key
         assert key is not None
         before = store.get(key) if self.keeps_state else None
-        if before is not None and self.spec.expiry.active and before.expires_at is not None and before.expires_at <= now:
+        if before is not None and self.spec.expiry.active and is_due(before.expires_at, now):
             self._emit(p, removal(Op.EXPIRE, key, before, now, self.next_seq(p, now)), out)
             before = None
-        t = apply_write(key, before, cmd, self.spec.expiry, self.key_paths, now, self.next_seq(p, now))
+        t = apply_write(key, before, cmd, self.spec.expiry, self.key_paths, published, self.next_seq(p, now))
         if self.keeps_state:
             store.stage(key, t.after)
         self._emit(p, t, out)
