@@ -36,7 +36,8 @@ POM_XML = """\
 <?xml version="1.0" encoding="UTF-8"?>
 <!-- Resolves the Apache Kafka broker (KRaft) and its runtime dependencies for the embedded broker.
      Used by processor/broker/embedded.py (which carries a copy as POM_XML; keep both equal):
-     mvn -f ops/kafka-pom.xml dependency:copy-dependencies -DoutputDirectory=DIR -DincludeScope=runtime
+     mvn -f ops/kafka-pom.xml dependency:copy-dependencies
+         -DoutputDirectory=DIR -DincludeScope=runtime
      Kafka 4.x logs through log4j2; its slf4j 1.7 API is bound to log4j2 by log4j-slf4j-impl. -->
 <project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -419,8 +420,20 @@ class EmbeddedKafka:
             self.data_dir = Path(tempfile.mkdtemp(prefix=_TEMP_PREFIX))
             (self.data_dir / _OWNER_FILE).write_text(str(os.getpid()))
             self._own_dir = True
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._format(libs)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._format(libs)
+            self._launch_until_ready(libs, began)
+        except BaseException:
+            self._terminate()
+            self._cleanup_dir()
+            raise
+        self.startup_seconds = time.monotonic() - began
+        _LIVE.add(self)
+        return self
+
+    def _launch_until_ready(self, libs: Path, began: float) -> None:
+        """Launch; with auto-picked ports, retry if another process grabbed one first."""
         attempts = 1 if self.requested_port is not None else 3
         for attempt in range(attempts):
             self.port = self.requested_port or _free_port()
@@ -430,16 +443,12 @@ class EmbeddedKafka:
             self._launch(libs)
             try:
                 self._await_ready(began)
-                break
+                return
             except BrokerError:
                 self._terminate()
                 bind_clash = "Address already in use" in _tail(self.log_path, 200)
                 if not bind_clash or attempt == attempts - 1:
-                    self._cleanup_dir()
                     raise
-        self.startup_seconds = time.monotonic() - began
-        _LIVE.add(self)
-        return self
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (clean shutdown, flushes logs), then SIGKILL after `timeout`."""
@@ -587,4 +596,3 @@ def run_foreground(port: int | None = None, data_dir: Path | str | None = None) 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-

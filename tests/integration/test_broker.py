@@ -195,6 +195,7 @@ def test_run_foreground_prints_address_first_and_stops_on_sigterm():
         assert re.fullmatch(r"127\.0\.0\.1:\d+", first), first
         client = AdminClient({"bootstrap.servers": first})
         assert 1 in client.list_topics(timeout=10).brokers
+        del client  # close it before the broker goes away
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
     finally:

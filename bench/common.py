@@ -1,0 +1,212 @@
+"""Helpers shared by the benchmarks: broker choice, fast publishing, counting and timing topics,
+process memory, and printing figures.
+
+Broker choice is the tests' rule: $KAFKA_BOOTSTRAP when set, else the embedded broker
+(processor.broker.embedded) for the duration of the benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient  # noqa: E402
+
+from processor.kafka import ensure_topics, make_producer, produce  # noqa: E402
+
+
+# broker ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def kafka_bootstrap() -> Iterator[str]:
+    """$KAFKA_BOOTSTRAP, or an embedded broker started (and stopped) around the block."""
+    external = os.environ.get("KAFKA_BOOTSTRAP")
+    if external:
+        log(f"kafka: external {external}")
+        yield external
+        return
+    from processor.broker.embedded import EmbeddedKafka
+
+    log("kafka: no KAFKA_BOOTSTRAP, starting the embedded broker...")
+    with EmbeddedKafka() as kafka:
+        log(f"kafka: embedded at {kafka.bootstrap} ({kafka.startup_seconds:.1f}s)")
+        yield kafka.bootstrap
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+def admin(bootstrap: str) -> AdminClient:
+    return AdminClient({"bootstrap.servers": bootstrap})
+
+
+def create_topics(bootstrap: str, wanted: dict[str, tuple[int, dict[str, str]]]) -> None:
+    ensure_topics(admin(bootstrap), wanted)
+
+
+def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
+    """Best effort: benchmarks write hundreds of MB, so they clean up after themselves."""
+    names = list(names)
+    if not names:
+        return
+    try:
+        for future in admin(bootstrap).delete_topics(names, operation_timeout=30).values():
+            with contextlib.suppress(Exception):
+                future.result()
+    except Exception as exc:  # noqa: BLE001 - cleanup must not hide the figures
+        log(f"could not delete topics: {exc}")
+
+
+# publishing -----------------------------------------------------------------------------------
+def publish(bootstrap: str, messages: Iterable[tuple[str, bytes | None, bytes]]) -> tuple[int, float]:
+    """Produce (topic, key, value) messages with the project's producer settings; returns
+    (count, seconds) including the final flush. Keys route with the Java client's partitioner."""
+    producer = make_producer(bootstrap, **{"linger.ms": 20})
+    began = time.perf_counter()
+    count = 0
+    for topic, key, value in messages:
+        produce(producer, topic, value, key)
+        count += 1
+        if count % 10000 == 0:
+            producer.poll(0)
+    if producer.flush(120) > 0:
+        raise RuntimeError("publishing: messages not delivered in 120 s")
+    return count, time.perf_counter() - began
+
+
+# reading topics --------------------------------------------------------------------------------
+def _consumer(bootstrap: str) -> Consumer:
+    return Consumer({
+        "bootstrap.servers": bootstrap,
+        "group.id": unique_name("ksow-bench-reader"),
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+        "fetch.queue.backoff.ms": 20,
+    })
+
+
+def watermarks(bootstrap: str, topic: str, partitions: int, consumer: Consumer | None = None) -> dict[int, tuple[int, int]]:
+    own = consumer is None
+    consumer = consumer or _consumer(bootstrap)
+    try:
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30) for p in range(partitions)}
+    finally:
+        if own:
+            consumer.close()
+
+
+def count_messages(bootstrap: str, topic: str, partitions: int, consumer: Consumer | None = None) -> int:
+    return sum(high - low for low, high in watermarks(bootstrap, topic, partitions, consumer).values())
+
+
+def wait_for_count(
+    bootstrap: str, topic: str, partitions: int, n: int, timeout: float, poll: float = 0.05, alive=None
+) -> float:
+    """Wait until `topic` holds at least n messages; returns the wall time (time.time()) it did.
+    `alive()` returning False (e.g. the worker died) stops the wait with an error."""
+    consumer = _consumer(bootstrap)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if count_messages(bootstrap, topic, partitions, consumer) >= n:
+                return time.time()
+            if alive is not None and not alive():
+                raise RuntimeError(f"gave up waiting for {n} messages on {topic}: the process under test exited")
+            if time.monotonic() > deadline:
+                have = count_messages(bootstrap, topic, partitions, consumer)
+                raise TimeoutError(f"{topic} holds {have} of {n} messages after {timeout:.0f}s")
+            time.sleep(poll)
+    finally:
+        consumer.close()
+
+
+def first_last_timestamps(bootstrap: str, topic: str, partitions: int) -> tuple[float, float]:
+    """(earliest, latest) Kafka timestamps in seconds over the first and last message of each
+    partition: the producer's clock (CreateTime), so the span a producer took to write the topic."""
+    consumer = _consumer(bootstrap)
+    try:
+        marks = watermarks(bootstrap, topic, partitions, consumer)
+        wanted = {}
+        for p, (low, high) in marks.items():
+            if high > low:
+                wanted[(p, low)] = None
+                wanted[(p, high - 1)] = None
+        stamps = []
+        for p, offset in list(wanted):
+            consumer.assign([TopicPartition(topic, p, offset)])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                msg = consumer.poll(0.5)
+                if msg is None:
+                    continue
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(msg.error())
+                stamps.append(msg.timestamp()[1] / 1000)
+                break
+        if not stamps:
+            raise RuntimeError(f"{topic} is empty")
+        return min(stamps), max(stamps)
+    finally:
+        consumer.close()
+
+
+# processes ---------------------------------------------------------------------------------
+def proc_status_kb(pid: int, field: str) -> int | None:
+    """A field of /proc/<pid>/status in kB (VmHWM: peak RSS, VmRSS: current RSS); None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_mb(pid: int | None = None) -> float | None:
+    kb = proc_status_kb(pid or os.getpid(), "VmHWM")
+    return None if kb is None else kb / 1024
+
+
+# figures ------------------------------------------------------------------------------------
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}{unit}"
+
+
+def print_table(title: str, rows: list[tuple[str, list[float | None], str, int]]) -> None:
+    """rows: (label, one value per run, unit, digits). Prints every run and the median."""
+    print(title)
+    for label, values, unit, digits in rows:
+        runs = ", ".join(fmt(v, "", digits) for v in values)
+        print(f"  {label:<38} {fmt(median(values), unit, digits):>14}   (runs: {runs})")
+    sys.stdout.flush()
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or not b:
+        return None
+    return a / b

@@ -1,0 +1,214 @@
+"""The Faust worker against a real broker: flows, errors, restarts, crashes and two workers."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import orjson
+import pytest
+
+from processor.client import Client
+from processor.core.merge import merge
+from processor.topology import load_topology
+
+from .workers import Worker, headers_of, producer, read_all, send, wait_until, write_topology
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def setup(kafka_bootstrap, unique_name, tmp_path):
+    topo_path = write_topology(tmp_path, unique_name)
+    topology = load_topology(topo_path)
+    group = f"g-{unique_name}"
+    workers: list[Worker] = []
+
+    def worker(name="w", data="d1", start=True):
+        w = Worker(kafka_bootstrap, topo_path, group, tmp_path / data, name)
+        workers.append(w)
+        return w.start() if start else w
+
+    client = Client(kafka_bootstrap, topology)
+    yield unique_name, worker, client
+    for w in workers:
+        w.kill()
+
+
+def sow_of(client, topic):
+    return {orjson.dumps(e.record["id"]).decode(): e.record for e in client.query(topic)}
+
+
+def test_publish_delta_delete_with_exact_outputs(setup, kafka_bootstrap):
+    topic, worker, client = setup
+    worker()
+    key1 = client.publish(topic, {"id": 1, "status": "open", "qty": 10, "px": {"bid": 1.0, "ask": 2.0}})
+    client.publish(topic, {"id": 2, "status": "open", "qty": 5})
+    client.publish(topic, {"id": 1, "qty": 20, "px": {"ask": 2.5}}, delta=True)
+    client.delete(topic, data={"id": 2})
+    client.flush()
+    diffs = wait_until(lambda: (m := read_all(kafka_bootstrap, f"{topic}.diff")) and len(m) >= 4 and m)
+    by_key = {}
+    for m in diffs:
+        by_key.setdefault(m.key().decode(), []).append((headers_of(m)["sow-op"], orjson.loads(m.value())))
+    assert by_key[key1] == [
+        ("insert", {"id": 1, "status": "open", "qty": 10, "px": {"bid": 1.0, "ask": 2.0}}),
+        ("update", {"id": 1, "qty": 20, "px": {"ask": 2.5}}),
+    ]
+    (key2,) = set(by_key) - {key1}
+    assert by_key[key2] == [("insert", {"id": 2, "status": "open", "qty": 5}), ("delete", {"id": 2, "status": "open", "qty": 5})]
+    sow = read_all(kafka_bootstrap, f"{topic}.sow")
+    last = {m.key().decode(): m for m in sow}
+    assert orjson.loads(last[key1].value()) == {"id": 1, "status": "open", "qty": 20, "px": {"bid": 1.0, "ask": 2.5}}
+    assert last[key2].value() is None and headers_of(last[key2])["sow-op"] == "delete"
+    seqs = [int(headers_of(m)["sow-seq"]) for m in sow if m.key().decode() == key1]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert sow_of(client, topic) == {"1": {"id": 1, "status": "open", "qty": 20, "px": {"bid": 1.0, "ask": 2.5}}}
+
+
+def test_malformed_inputs_land_on_errors_and_change_nothing(setup, kafka_bootstrap):
+    topic, worker, client = setup
+    worker()
+    client.publish(topic, {"id": 1, "v": 1})
+    client.flush()
+    wait_until(lambda: sow_of(client, topic))
+    p = producer(kafka_bootstrap)
+    bad = [
+        (topic, b"{not json", b"a", []),
+        (topic, b'{"v": 2}', b"b", []),
+        (f"{topic}.delta", b'{"id": 1, "v": 3}', b"c", [("sow-command", b"frobnicate")]),
+        (topic, b'{"id": 1, "v": 4}', b"d", [("sow-expiration", b"whenever")]),
+        (topic, b"[1, 2, 3]", b"e", []),
+        (topic, None, b"f", []),
+    ]
+    for t, value, key, headers in bad:
+        p.produce(t, value, key, headers=headers)
+    p.flush()
+    errors = wait_until(lambda: (m := read_all(kafka_bootstrap, f"{topic}.errors")) and len(m) >= len(bad) and m)
+    got = {m.key(): (m.value(), headers_of(m)["sow-error"]) for m in errors}
+    assert len(errors) == len(bad)
+    for _, value, key, _ in bad:
+        assert got[key][0] == value and got[key][1]
+    assert "missing key field /id" in got[b"b"][1] and "unknown sow-command" in got[b"c"][1]
+    client.publish(topic, {"id": 1, "v": 5}, delta=True)  # the worker is still alive and applying
+    client.flush()
+    wait_until(lambda: sow_of(client, topic).get("1", {}).get("v") == 5)
+
+
+@pytest.mark.parametrize("keep_data", [True, False], ids=["rocksdb-kept", "data-deleted"])
+def test_restart_keeps_or_rebuilds_the_sow(setup, kafka_bootstrap, tmp_path, keep_data):
+    import shutil
+
+    topic, worker, client = setup
+    w = worker()
+    expected = {}
+    for i in range(50):
+        rec = {"id": i, "n": i, "nested": {"a": i}}
+        client.publish(topic, rec)
+        expected[str(i)] = rec
+    client.flush()
+    wait_until(lambda: len(sow_of(client, topic)) == 50)
+    w.stop()
+    if not keep_data:
+        shutil.rmtree(tmp_path / "d1")
+    w2 = worker("w2", "d1")
+    w2.wait_for("changelog records", 60)
+    if not keep_data:
+        restored = sum(int(line.split(": ")[1].split()[0]) for line in w2.log().splitlines() if "changelog records" in line and "restored" in line)
+        assert restored >= 50  # rebuilt from <topic>.sow, not from an empty start
+    # Deltas after the restart must merge into the state from before it.
+    for i in range(0, 50, 5):
+        client.publish(topic, {"id": i, "nested": {"b": -i}}, delta=True)
+        expected[str(i)] = merge(expected[str(i)], {"id": i, "nested": {"b": -i}})
+    client.flush()
+    wait_until(lambda: sow_of(client, topic) == expected)
+    diffs = [m for m in read_all(kafka_bootstrap, f"{topic}.diff") if headers_of(m)["sow-op"] == "update"]
+    assert sorted(orjson.loads(m.value())["id"] for m in diffs) == list(range(0, 50, 5))
+    assert all(set(orjson.loads(m.value())) == {"id", "nested"} for m in diffs)
+
+
+def _history(n_keys: int, n: int, seed: int):
+    rnd = random.Random(seed)
+    ops = []
+    for i in range(n):
+        k = rnd.randrange(n_keys)
+        if rnd.random() < 0.3:
+            ops.append(("delta", {"id": k, "v": i, "m": {f"f{i % 3}": i}}))
+        elif rnd.random() < 0.05:
+            ops.append(("delete", {"id": k}))
+        else:
+            ops.append(("publish", {"id": k, "v": i, "m": {"f0": i}}))
+    return ops
+
+
+def _fold(ops):
+    sow = {}
+    for kind, rec in ops:
+        k = str(rec["id"])
+        if kind == "delete":
+            sow.pop(k, None)
+        elif kind == "delta":
+            sow[k] = merge(sow.get(k), rec)
+        else:
+            sow[k] = rec
+    return sow
+
+
+def _publish(client, topic, ops):
+    for kind, rec in ops:
+        if kind == "delete":
+            client.delete(topic, data=rec)
+        else:
+            client.publish(topic, rec, delta=kind == "delta")
+    client.flush()
+
+
+def test_killed_worker_loses_nothing(setup, kafka_bootstrap):
+    """kill -9 in the middle of a stream: the restarted worker ends with the exact SOW."""
+    topic, worker, client = setup
+    w = worker()
+    # Deltas go to <topic> with sow-command so one key's order is strict (one partition, one topic).
+    ops = _history(300, 6000, seed=1)
+    first, second = ops[:3000], ops[3000:]
+    _publish_strict(client, topic, first)
+    wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.diff")) > 500, timeout=60, interval=0.05)
+    w.kill()  # mid-stream: part of the first half is applied
+    _publish_strict(client, topic, second)
+    worker("w2", "d1")
+    expected = _fold(ops)
+    wait_until(lambda: sow_of(client, topic) == expected, timeout=120, interval=1)
+
+
+def _publish_strict(client, topic, ops):
+    """Everything on <topic>: deltas carry sow-command so per-key order is Kafka's partition order."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": client.bootstrap, "linger.ms": 5, "partitioner": "murmur2_random"})
+    spec = client.spec(topic)
+    for kind, rec in ops:
+        key = spec.key_spec.sow_key(rec).encode()
+        command = {"publish": b"publish", "delta": b"delta_publish", "delete": b"sow_delete"}[kind]
+        p.produce(topic, orjson.dumps(rec), key, headers=[("sow-command", command)])
+    p.flush()
+
+
+def test_two_workers_split_partitions_and_survive_losing_one(setup, kafka_bootstrap, admin):
+    topic, worker, client = setup
+    w1 = worker("w1", "d1")
+    w2 = worker("w2", "d2")
+    group = f"g-{topic}"
+
+    def split():
+        desc = admin.describe_consumer_groups([group])[group].result(30)
+        owned = [sorted(tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic) for m in desc.members]
+        return len(owned) == 2 and all(owned) and sorted(sum(owned, [])) == [0, 1, 2, 3] and owned
+
+    wait_until(split, timeout=90, interval=1)
+    ops = _history(200, 3000, seed=2)
+    _publish_strict(client, topic, ops[:1500])
+    expected_half = _fold(ops[:1500])
+    wait_until(lambda: sow_of(client, topic) == expected_half, timeout=90, interval=1)
+    w1.kill()
+    _publish_strict(client, topic, ops[1500:])
+    wait_until(lambda: sow_of(client, topic) == _fold(ops), timeout=120, interval=1)
+    assert "restored" in w2.log()

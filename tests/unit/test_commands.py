@@ -1,0 +1,66 @@
+"""Parsing input messages into commands; every bad input is an InputError with a reason."""
+
+import pytest
+
+from processor.api.types import Command, InputError
+from processor.core.codec import JsonCodec
+from processor.core.commands import header_map, parse_command
+from processor.core.keys import KeySpec
+
+KEYS = KeySpec("orders", ("/id",))
+CODEC = JsonCodec()
+
+
+def parse(value, headers=None, default=Command.PUBLISH, keys=KEYS):
+    return parse_command(keys, CODEC, default, value, header_map(headers or []))
+
+
+def test_defaults_from_topic():
+    cmd = parse(b'{"id": 1, "x": 2}')
+    assert cmd.command is Command.PUBLISH and cmd.data == {"id": 1, "x": 2}
+    assert cmd.sow_key == KEYS.sow_key({"id": 1})
+    assert parse(b'{"id": 1}', default=Command.DELTA_PUBLISH).command is Command.DELTA_PUBLISH
+
+
+def test_headers_override_and_expiration():
+    cmd = parse(b'{"id": 1}', [("sow-command", b"delta_publish"), ("sow-expiration", b"5s")])
+    assert cmd.command is Command.DELTA_PUBLISH and cmd.expiration_ms == 5000
+    assert parse(b'{"id": 1}', [("sow-expiration", b"0")]).expiration_ms == 0
+
+
+def test_deletes():
+    by_data = parse(b'{"id": 3, "whatever": 1}', [("sow-command", b"sow_delete")])
+    assert by_data.command is Command.SOW_DELETE and by_data.sow_key == KEYS.sow_key({"id": 3})
+    by_keys = parse(None, [("sow-command", b"sow_delete"), ("sow-keys", b"a1, b2")])
+    assert by_keys.keys == ("a1", "b2") and by_keys.sow_key is None
+    by_filter = parse(None, [("sow-command", b"sow_delete"), ("sow-filter", b"/x > 1")])
+    assert by_filter.filter == "/x > 1"
+
+
+@pytest.mark.parametrize("value,headers,reason", [
+    (b"not json", [], "not valid JSON"),
+    (b"[1,2]", [], "JSON object"),
+    (b'{"x": 1}', [], "missing key field /id"),
+    (b'{"id": 1}', [("sow-command", b"upsert")], "unknown sow-command"),
+    (b'{"id": 1}', [("sow-expiration", b"later")], "bad sow-expiration"),
+    (None, [], "has no value"),
+    (None, [("sow-command", b"sow_delete")], "sow_delete needs"),
+    (None, [("sow-command", b"sow_delete"), ("sow-keys", b" , ")], "empty sow-keys"),
+    (b'{"id": 1}', [("sow-command", b"\xff")], "not UTF-8"),
+    (b'{"id": 1}', [("sow-key", None)], "has no value"),
+])
+def test_bad_inputs(value, headers, reason):
+    with pytest.raises(InputError, match=reason):
+        parse(value, headers)
+
+
+def test_user_keys_topic():
+    keys = KeySpec("blobs")
+    assert parse(b'{"a": 1}', [("sow-key", b"K1")], keys=keys).sow_key == "K1"
+    with pytest.raises(InputError, match="sow-key header"):
+        parse(b'{"a": 1}', keys=keys)
+    assert parse(None, [("sow-command", b"sow_delete"), ("sow-key", b"K1")], keys=keys).sow_key == "K1"
+
+
+def test_unrelated_headers_ignored():
+    assert header_map([("traceparent", b"\xff\xfe"), ("sow-key", b"x")]) == {"sow-key": "x"}

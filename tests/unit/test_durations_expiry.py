@@ -1,0 +1,63 @@
+"""Durations and lifetime resolution (AMPS per-message lifetimes, Artemis clamps)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from processor.core.durations import DurationError, format_duration_ms, parse_duration_ms
+from processor.core.expiry import ExpirationMode, ExpiryPolicy, is_due
+
+
+@pytest.mark.parametrize("text,ms", [("500ms", 500), ("30s", 30_000), ("5m", 300_000), ("2h", 7_200_000), ("1d", 86_400_000), ("10", 10_000), ("1.5", 1500), (2, 2000), (" 3s ", 3000), ("0", 0)])
+def test_parse(text, ms):
+    assert parse_duration_ms(text) == ms
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5x", "-1s", "1s2", True, -3])
+def test_parse_rejects(text):
+    with pytest.raises(DurationError):
+        parse_duration_ms(text)
+
+
+@given(st.integers(0, 10**10))
+def test_format_round_trip(ms):
+    assert parse_duration_ms(format_duration_ms(ms)) == ms
+
+
+DEFAULT_30S = ExpiryPolicy(ExpirationMode.DEFAULT, 30_000)
+
+
+def test_topic_default_and_message_override():
+    assert DEFAULT_30S.lifetime_ms(None) == 30_000
+    assert DEFAULT_30S.lifetime_ms(5_000) == 5_000
+    assert DEFAULT_30S.lifetime_ms(0) is None  # 0 = never expires
+    assert DEFAULT_30S.expires_at(1_000, None) == 31_000
+
+
+def test_enabled_expires_only_message_lifetimes():
+    policy = ExpiryPolicy(ExpirationMode.ENABLED)
+    assert policy.active
+    assert policy.lifetime_ms(None) is None
+    assert policy.lifetime_ms(2_000) == 2_000
+
+
+def test_disabled_still_stores_message_lifetimes_but_is_not_active():
+    policy = ExpiryPolicy(ExpirationMode.DISABLED)
+    assert not policy.active
+    assert policy.expires_at(100, 1_000) == 1_100
+
+
+def test_clamps_as_artemis():
+    both = ExpiryPolicy(ExpirationMode.ENABLED, None, 1_000, 60_000)
+    assert both.lifetime_ms(10) == 1_000
+    assert both.lifetime_ms(120_000) == 60_000
+    assert both.lifetime_ms(5_000) == 5_000
+    assert both.lifetime_ms(None) == 60_000  # no lifetime -> max
+    assert both.lifetime_ms(0) == 60_000  # "never" is still bounded by the operator's max
+    assert ExpiryPolicy(ExpirationMode.ENABLED, None, 1_000, None).lifetime_ms(None) == 1_000  # else min
+    assert ExpiryPolicy(ExpirationMode.DEFAULT, 30_000, None, 10_000).lifetime_ms(None) == 10_000
+
+
+def test_is_due():
+    assert is_due(100, 100) and is_due(99, 100)
+    assert not is_due(101, 100) and not is_due(None, 100)

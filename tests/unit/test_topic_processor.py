@@ -1,0 +1,184 @@
+"""The engine-neutral processor on real stores: flows with exact outputs, routing, errors, expiry."""
+
+import orjson
+import pytest
+
+from processor.core.keys import owner_partition
+from processor.runner.topic_processor import H_LOCAL, InputMessage, SowTopicProcessor
+from processor.topology import parse_topology
+
+N = 4
+
+
+def make(tmp_path, **extra):
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": N, **extra}]}).topic("orders")
+    return SowTopicProcessor(spec, tmp_path)
+
+
+def key_of(proc, record):
+    return proc.spec.key_spec.sow_key(record)
+
+
+def msg(proc, record, topic="orders", headers=None, ts=1_000, partition=None, offset=0):
+    value = None if record is None else orjson.dumps(record)
+    if partition is None:
+        partition = owner_partition(key_of(proc, record), N)
+    return InputMessage(topic, partition, offset, b"k", value, headers or [], ts)
+
+
+def by_topic(requests):
+    out = {}
+    for r in requests:
+        out.setdefault(r.topic, []).append(r)
+    return out
+
+
+def hdr(r, name):
+    return dict(r.headers).get(name)
+
+
+def run(proc, messages, now=5_000):
+    out = proc.handle(messages, now=now)
+    for p in list(proc.stores):
+        proc.commit(p)
+    return out
+
+
+@pytest.fixture(params=["persistent", "memory"])
+def proc(request, tmp_path):
+    return make(tmp_path, persistence=request.param)
+
+
+def test_publish_delta_delete_flow(proc):
+    first = {"id": 1, "status": "open", "qty": 10, "m": {"a": 1}}
+    out = by_topic(run(proc, [msg(proc, first)]))
+    (sow,), (diff,) = out["orders.sow"], out["orders.diff"]
+    assert orjson.loads(sow.value) == first and orjson.loads(diff.value) == first
+    assert hdr(sow, "sow-op") == b"insert" and hdr(sow, "sow-key") == key_of(proc, first).encode()
+    assert sow.partition == owner_partition(key_of(proc, first), N) and sow.changelog == sow.partition
+
+    out = by_topic(run(proc, [msg(proc, {"id": 1, "qty": 20, "m": {"b": 2}}, topic="orders.delta")]))
+    assert orjson.loads(out["orders.sow"][0].value) == {"id": 1, "status": "open", "qty": 20, "m": {"a": 1, "b": 2}}
+    assert orjson.loads(out["orders.diff"][0].value) == {"id": 1, "qty": 20, "m": {"b": 2}}
+    assert hdr(out["orders.diff"][0], "sow-op") == b"update"
+    seq_update = int(hdr(out["orders.diff"][0], "sow-seq"))
+
+    out = by_topic(run(proc, [msg(proc, {"id": 1}, headers=[("sow-command", b"sow_delete")])]))
+    (sow,), (diff,) = out["orders.sow"], out["orders.diff"]
+    assert sow.value is None and hdr(sow, "sow-op") == b"delete"
+    assert orjson.loads(diff.value) == {"id": 1, "status": "open", "qty": 20, "m": {"a": 1, "b": 2}}
+    assert int(hdr(diff, "sow-seq")) > seq_update
+    assert proc.stores[sow.partition].get(key_of(proc, first)) is None
+    # Deleting what is not there changes nothing and says nothing.
+    assert run(proc, [msg(proc, {"id": 1}, headers=[("sow-command", b"sow_delete")])]) == []
+
+
+def test_delta_on_missing_record_becomes_the_record(proc):
+    out = by_topic(run(proc, [msg(proc, {"id": 2, "x": 1}, topic="orders.delta")]))
+    assert hdr(out["orders.sow"][0], "sow-op") == b"insert"
+
+
+def test_wrong_partition_is_rerouted_with_its_origin(proc):
+    record = {"id": 3, "v": 1}
+    owner = owner_partition(key_of(proc, record), N)
+    out = run(proc, [msg(proc, record, topic="orders.delta", partition=(owner + 1) % N, ts=1234)])
+    (r,) = out
+    assert r.topic == "orders.repartition" and r.partition == owner and r.key == key_of(proc, record).encode()
+    assert hdr(r, "ksow-origin") == b"delta_publish" and r.timestamp == 1234
+    back = InputMessage("orders.repartition", owner, 0, r.key, r.value, r.headers, r.timestamp)
+    out = by_topic(run(proc, [back]))
+    assert hdr(out["orders.sow"][0], "sow-op") == b"insert"
+
+
+def test_bad_inputs_go_to_errors_with_original_bytes(proc):
+    bad = [
+        InputMessage("orders", 0, 7, b"key1", b"{oops", [], 1),
+        InputMessage("orders", 1, 8, b"key2", b'{"no_id": 1}', [("x", b"y")], 1),
+        InputMessage("orders", 2, 9, None, b'{"id": 1}', [("sow-command", b"nope")], 1),
+    ]
+    out = run(proc, bad)
+    assert [r.topic for r in out] == ["orders.errors"] * 3
+    assert [r.value for r in out] == [b"{oops", b'{"no_id": 1}', b'{"id": 1}']
+    assert out[0].key == b"key1" and b"not valid JSON" in hdr(out[0], "sow-error")
+    assert hdr(out[1], "sow-error") == b"missing key field /id" and hdr(out[1], "x") == b"y"
+    assert hdr(out[2], "sow-error-offset") == b"9"
+    assert all(proc.stores.get(p) is None or proc.stores[p].count() == 0 for p in range(N))
+
+
+def test_delete_by_keys_routes_each_key_to_its_owner(proc):
+    recs = [{"id": i} for i in range(6)]
+    run(proc, [msg(proc, r) for r in recs])
+    keys = [key_of(proc, r) for r in recs[:3]]
+    out = run(proc, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-keys", ",".join(keys).encode())], 1)])
+    assert sorted(r.key.decode() for r in out) == sorted(keys) and {r.topic for r in out} == {"orders.repartition"}
+    local = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in out]
+    out = by_topic(run(proc, local))
+    assert sorted(r.key.decode() for r in out["orders.sow"]) == sorted(keys)
+    remaining = sum(proc.stores[p].count() for p in proc.stores)
+    assert remaining == 3
+
+
+def test_expiry_removes_due_records_with_all_outputs(tmp_path):
+    proc = make(tmp_path, expiration="10s")
+    record = {"id": 9, "s": "x"}
+    out = by_topic(run(proc, [msg(proc, record, ts=1_000)]))
+    assert hdr(out["orders.sow"][0], "sow-expires-at") == b"11000"
+    p = out["orders.sow"][0].partition
+    assert proc.expire_due(p, now=10_999) == []
+    out = by_topic(proc.expire_due(p, now=11_050))
+    proc.commit(p)
+    assert out["orders.sow"][0].value is None and hdr(out["orders.sow"][0], "sow-op") == b"expire"
+    assert orjson.loads(out["orders.diff"][0].value) == record
+    assert orjson.loads(out["EXP.orders"][0].value) == record
+    assert hdr(out["EXP.orders"][0], "sow-actual-expiry") == b"11050"
+    assert proc.stores[p].count() == 0
+
+
+def test_update_restarts_lifetime_and_zero_never_expires(tmp_path):
+    proc = make(tmp_path, expiration="10s")
+    r = {"id": 1}
+    run(proc, [msg(proc, r, ts=1_000)])
+    run(proc, [msg(proc, {"id": 1, "v": 2}, topic="orders.delta", ts=8_000)], now=8_000)
+    p = owner_partition(key_of(proc, r), N)
+    assert proc.expire_due(p, now=12_000) == []
+    assert proc.stores[p].get(key_of(proc, r)).expires_at == 18_000
+    run(proc, [msg(proc, {"id": 1}, headers=[("sow-expiration", b"0")], ts=9_000)], now=9_000)
+    assert proc.expire_due(p, now=10**12) == [] and proc.stores[p].count() == 1
+
+
+def test_publish_on_an_expired_record_expires_it_first(tmp_path):
+    proc = make(tmp_path, expiration="1s")
+    run(proc, [msg(proc, {"id": 1, "a": 1}, ts=1_000)], now=1_000)
+    out = run(proc, [msg(proc, {"id": 1, "b": 2}, topic="orders.delta", ts=5_000)], now=5_000)
+    ops = [hdr(r, "sow-op") for r in out if r.topic == "orders.diff"]
+    assert ops == [b"expire", b"insert"]
+    assert orjson.loads([r for r in out if r.topic == "orders.sow"][-1].value) == {"id": 1, "b": 2}
+
+
+def test_event_ids_increase_and_survive_restore(tmp_path):
+    proc = make(tmp_path)
+    outs = run(proc, [msg(proc, {"id": 1, "v": v}) for v in range(3)])
+    seqs = [int(hdr(r, "sow-seq")) for r in outs if r.topic == "orders.sow"]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    p = outs[0].partition
+    assert all(s & 1023 == p for s in seqs)
+    # A fresh worker restores the partition from the changelog records and continues above them.
+    other = make(tmp_path / "other")
+    for r in outs:
+        if r.changelog is not None:
+            other.restore(p, r.key, r.value, r.headers, 1_000)
+    other.commit(p, 3)
+    assert other.stores[p].get(key_of(other, {"id": 1})).data == {"id": 1, "v": 2}
+    again = run(other, [msg(other, {"id": 1, "v": 9})], now=0)
+    assert int(hdr(again[0], "sow-seq")) > max(seqs)
+
+
+def test_fanned_out_filter_delete_needs_filters(proc):
+    pytest.importorskip("processor.core.filters")
+    run(proc, [msg(proc, {"id": i, "s": "open" if i % 2 else "done"}) for i in range(8)])
+    out = run(proc, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 1)])
+    assert sorted(r.partition for r in out) == list(range(N)) and all(hdr(r, H_LOCAL) == b"1" for r in out)
+    local = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in out]
+    out = by_topic(run(proc, local))
+    assert len(out["orders.sow"]) == 4
+    assert sum(proc.stores[p].count() for p in proc.stores) == 4
