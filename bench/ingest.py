@@ -97,10 +97,13 @@ def workload(topic: str, n: int, k: int, delta_share: float, seed: int = 7):
 
 
 # the worker ------------------------------------------------------------------------------------
-def worker_command(bootstrap: str, topology: Path, group: str, data_dir: Path, profile: str | None) -> list[str]:
+def worker_command(bootstrap: str, topology: Path, group: str, data_dir: Path, profile: str | None, wrapper: str | None = None) -> list[str]:
     args = ["up", "--bootstrap", bootstrap, "--topology", str(topology), "--group", group, "--data-dir", str(data_dir)]
+    python = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
+    if wrapper:  # experiments: a script that patches the worker, then runs processor.cli.main()
+        return [*python, wrapper, *args]
     if profile:
-        return [sys.executable, "-m", "cProfile", "-o", profile, "-m", "processor.cli", *args]
+        return [*python, "-m", "processor.cli", *args]
     ksow = Path(sys.executable).parent / "ksow"
     return [str(ksow), *args] if ksow.exists() else [sys.executable, "-m", "processor.cli", *args]
 
@@ -116,9 +119,9 @@ def stop(process: subprocess.Popen, grace: float = 60.0) -> None:
             process.wait()
 
 
-def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, profile: str | None) -> dict:
+def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, profile: str | None, wrapper: str | None = None) -> dict:
     log_path = tmp / "worker.log"
-    command = worker_command(bootstrap, topology, unique_name("ksow-bench"), tmp / "data", profile)
+    command = worker_command(bootstrap, topology, unique_name("ksow-bench"), tmp / "data", profile, wrapper)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     began = time.time()
     with open(log_path, "wb") as out:
@@ -132,6 +135,9 @@ def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, pr
         raise
     finally:
         stop(process)
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("BENCH "):  # figures a --worker-wrapper reports
+                log(f"  worker {line}")
     first, last = first_last_timestamps(bootstrap, f"{topic}.diff", PARTITIONS)
     sow = count_messages(bootstrap, f"{topic}.sow", PARTITIONS)
     errors = count_messages(bootstrap, f"{topic}.errors", PARTITIONS)
@@ -242,7 +248,7 @@ def one_run(bootstrap: str, args) -> dict:
         log(f"{topic}: published {count} inputs in {seconds:.1f}s ({count / seconds:,.0f}/s)")
         result: dict = {}
         if not args.limit_only:
-            result["worker"] = run_worker(bootstrap, topic, topology, tmp, args.n, args.profile)
+            result["worker"] = run_worker(bootstrap, topic, topology, tmp, args.n, args.profile, args.worker_wrapper)
             w = result["worker"]
             log(f"  worker: {w['rate_steady']:,.0f} rec/s steady, {w['rate_total']:,.0f} incl. startup ({w['startup_s']:.1f}s)")
         if not args.worker_only:
@@ -264,6 +270,7 @@ def main() -> None:
     parser.add_argument("--worker-only", action="store_true")
     parser.add_argument("--limit-only", action="store_true")
     parser.add_argument("--profile", default=None, help="run the worker under cProfile, writing this file")
+    parser.add_argument("--worker-wrapper", default=None, help="experiments: run `python SCRIPT up ...` instead of ksow")
     parser.add_argument("--keep-topics", action="store_true")
     parser.add_argument("--limit-run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -21,7 +21,7 @@ from .core.codec import Codec, codec_for
 from .core.durations import parse_duration_ms
 from .core.keys import KeyError_
 from .core.subscription import SubscriptionSpec, conflate
-from .kafka import make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from .kafka import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
 
 
@@ -158,10 +158,7 @@ class Client:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, and the consumer."""
         consumer = make_consumer(self.bootstrap)
         topic = spec.sow_topic
-        ends = {}
-        for p in range(spec.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            ends[p] = high
+        ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
         consumer.assign([TopicPartition(topic, p, 0) for p in range(spec.partitions)])
         state: dict[str, tuple[Any, ...]] = {}
         codec = self.codec(spec)

@@ -117,8 +117,30 @@ def check_partitions(admin: AdminClient, spec: SowTopic) -> None:
             )
 
 
-def watermarks(consumer: Consumer, topic: str, partitions: list[int], timeout: float = 30.0) -> dict[int, tuple[int, int]]:
-    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in partitions}
+_TRANSIENT = {
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._TRANSPORT,
+    KafkaError._TIMED_OUT,
+}
+
+
+def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
+    """(low, high) watermarks per partition, retrying the transient errors of freshly created topics."""
+    out = {}
+    deadline = time.monotonic() + timeout
+    for p in partitions:
+        while True:
+            try:
+                out[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                break
+            except KafkaException as exc:
+                if exc.args[0].code() not in _TRANSIENT or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    return out
 
 
 def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], timeout: float = 120.0) -> Iterator:

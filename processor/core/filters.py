@@ -409,7 +409,7 @@ def _compare_scalars(op: Callable, a: Any, b: Any) -> bool | None:
             a = _to_number(a)
             return None if a is None else op(a, b)
         if tb is bool:
-            a = None
+            a = _BOOL_TEXT.get(a.lower())
     if tb is str and ta is bool:
         b = _BOOL_TEXT.get(b.lower())
     if type(a) is bool and type(b) is bool and (op is operator.eq or op is operator.ne):
@@ -686,7 +686,7 @@ def _compile_bool(node: And | Or) -> Pred:
                 return decisive
             if v is None:
                 unknown = True
-        return None if unknown else not decisive
+        return not decisive
 
     return many
 

@@ -22,7 +22,7 @@ import faust
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from ..kafka import check_partitions, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
+from ..kafka import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
 from ..topology import Topology
 from .topic_processor import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
 
@@ -185,7 +185,7 @@ class SowWorker:
         topic = proc.spec.sow_topic
         consumer = make_consumer(self.bootstrap)
         try:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            ((low, high),) = end_offsets(consumer, topic, [p]).values()
             position = proc.changelog_position(p)
             if position < low or position > high:  # compacted past us, or a recreated topic
                 proc.open(p).clear()

@@ -14,7 +14,7 @@ import orjson
 import yaml
 from confluent_kafka import Producer, TopicPartition
 
-from processor.kafka import make_consumer, read_until
+from processor.kafka import end_offsets, make_consumer, read_until
 
 
 def write_topology(tmp_path: Path, topic: str, **options) -> Path:
@@ -83,10 +83,7 @@ def read_all(bootstrap: str, topic: str, partitions: int = 4) -> list:
     """Every message of a topic up to its current end, per partition in offset order."""
     consumer = make_consumer(bootstrap)
     try:
-        ends = {}
-        for p in range(partitions):
-            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            ends[(topic, p)] = high
+        ends = {(topic, p): high for p, (_, high) in end_offsets(consumer, topic, range(partitions)).items()}
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         return list(read_until(consumer, ends))
     finally:

@@ -535,6 +535,7 @@ def ref_eval(node, record) -> bool | None:
 # Hypothesis strategies: tuple ASTs, rendered to text in varied spellings
 
 PATHS = ["/a", "/b", "/c", "/n/x", "/n/y", "/zz"]
+ONE_FIELD = ["/a"]  # the focused tests: every predicate reads the record's only field
 STRINGS = ["abc", "ABC", "Abc", "b", "x", "10", "2.5", "-3", "1e1", ".5", "true", "FALSE",
            "it's", 'say "hi"', " 10", ""]  # fmt: skip
 PATTERNS = ["^a", "c$", "B", "1", "^$", "x|y", "[0-9]+", "it's", "^-?[0-9.]+$", "", "TRUE"]
@@ -561,29 +562,32 @@ records = st.fixed_dictionaries(
     },
 )
 
-paths = st.sampled_from(PATHS).map(lambda p: ("path", p))
 literals = scalars.map(lambda v: ("lit", v))
-operands = st.one_of(
-    paths,
-    literals,
-    st.tuples(st.just("func"), st.sampled_from(["UPPER", "LOWER"]), st.one_of(paths, literals)),
-)
-negated = st.booleans()
-predicates = st.one_of(
-    st.tuples(st.just("cmp"), st.sampled_from(sorted(REF_OPS)), operands, operands),
-    st.tuples(st.just("like"), operands, st.sampled_from(PATTERNS), negated),
-    st.tuples(st.just("in"), operands, st.lists(scalars, min_size=1, max_size=4), negated),
-    st.tuples(st.just("between"), operands, scalars, scalars, negated),
-    st.tuples(st.just("isnull"), operands, negated),
-    st.tuples(
-        st.just("affix"),
-        operands,
-        st.sampled_from(["BEGINS", "ENDS"]),
-        st.lists(st.sampled_from(STRINGS), min_size=1, max_size=3),
-        negated,
-        st.booleans(),
-    ),
-)
+
+
+def predicate_strategy(names: list[str]):
+    paths = st.sampled_from(names).map(lambda p: ("path", p))
+    funcs = st.tuples(st.just("func"), st.sampled_from(["UPPER", "LOWER"]), st.one_of(paths, literals))
+    operands = st.one_of(paths, paths, literals, funcs)
+    negated = st.booleans()
+    return paths, st.one_of(
+        st.tuples(st.just("cmp"), st.sampled_from(sorted(REF_OPS)), operands, operands),
+        st.tuples(st.just("like"), operands, st.sampled_from(PATTERNS), negated),
+        st.tuples(st.just("in"), operands, st.lists(scalars, min_size=1, max_size=4), negated),
+        st.tuples(st.just("between"), operands, scalars, scalars, negated),
+        st.tuples(st.just("isnull"), operands, negated),
+        st.tuples(
+            st.just("affix"),
+            operands,
+            st.sampled_from(["BEGINS", "ENDS"]),
+            st.lists(st.sampled_from(STRINGS), min_size=1, max_size=3),
+            negated,
+            st.booleans(),
+        ),
+    )
+
+
+paths, predicates = predicate_strategy(PATHS)
 trees = st.recursive(
     predicates,
     lambda sub: st.one_of(
@@ -655,14 +659,31 @@ def render(node, rnd: random.Random, outer: int = 0) -> str:
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def assert_agrees(tree, recs, rnd) -> None:
+    """The filter and its negation both agree with the reference: that pins down all three of
+    TRUE (filter matches), FALSE (negation matches) and UNKNOWN (neither matches)."""
+    text = render(tree, rnd)
+    f, negation = compile_filter(text), compile_filter(f"NOT ({text})")
+    for record in recs:
+        expected = ref_eval(tree, record)
+        assert f.matches(record) is (expected is True), (text, record, expected)
+        assert negation.matches(record) is (expected is False), (text, record, expected)
+
+
 @SETTINGS
 @given(trees, st.lists(records, min_size=1, max_size=8), st.randoms(use_true_random=False))
 def test_agrees_with_reference(tree, recs, rnd) -> None:
-    text = render(tree, rnd)
-    f = compile_filter(text)
-    for record in recs:
-        expected = ref_eval(tree, record) is True
-        assert f.matches(record) is expected, (text, record)
+    assert_agrees(tree, recs, rnd)
+
+
+_, one_field_predicates = predicate_strategy(ONE_FIELD)
+
+
+@SETTINGS
+@given(one_field_predicates, st.lists(st.fixed_dictionaries({"a": values}), min_size=1, max_size=8),
+       st.randoms(use_true_random=False))  # fmt: skip
+def test_single_predicates_agree_with_reference(predicate, recs, rnd) -> None:
+    assert_agrees(predicate, recs, rnd)
 
 
 @SETTINGS
