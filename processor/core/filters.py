@@ -144,7 +144,7 @@ class Or:
 _GRAMMAR = r"""
 start: or_expr
 ?or_expr: and_expr (OR and_expr)*
-?and_expr: not_expr (AND not_expr)*
+?and_expr: not_expr (OR not_expr)*
 ?not_expr: NOT not_expr -> not_
          | predicate
 ?predicate: "(" or_expr ")"
@@ -686,7 +686,7 @@ def _compile_bool(node: And | Or) -> Pred:
                 return decisive
             if v is None:
                 unknown = True
-        return not decisive
+        return None if unknown else not decisive
 
     return many
 

@@ -1,0 +1,112 @@
+"""Expiration on a real broker: lifetimes, postponement, 0 = never, downtime, rebalance."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import orjson
+import pytest
+
+from processor.client import Client
+from processor.topology import load_topology
+
+from .workers import Worker, headers_of, read_all, wait_until, write_topology
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env(kafka_bootstrap, unique_name, tmp_path):
+    path = write_topology(tmp_path, unique_name, expiration="2s")
+    client = Client(kafka_bootstrap, load_topology(path))
+    workers: list[Worker] = []
+
+    def worker(name="w", data="d1", start=True):
+        w = Worker(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / data, name)
+        workers.append(w)
+        return w.start() if start else w
+
+    yield unique_name, client, worker
+    for w in workers:
+        w.kill()
+
+
+def expired(bootstrap, topic):
+    return {m.key().decode(): m for m in read_all(bootstrap, f"EXP.{topic}")}
+
+
+def ids(client, topic):
+    return sorted(e.record["id"] for e in client.query(topic))
+
+
+def test_lifetimes_expire_with_all_outputs(env, kafka_bootstrap):
+    topic, client, worker = env
+    worker()
+    k_default = client.publish(topic, {"id": 1, "v": "topic default"})
+    client.publish(topic, {"id": 2, "v": "never"}, expiration="0")
+    k_short = client.publish(topic, {"id": 3, "v": "short"}, expiration="1s")
+    client.flush()
+    wait_until(lambda: ids(client, topic) == [1, 2, 3] or ids(client, topic) == [1, 2])
+    exp = wait_until(lambda: len(e := expired(kafka_bootstrap, topic)) == 2 and e, timeout=30, interval=0.2)
+    assert set(exp) == {k_default, k_short}
+    for key, record in ((k_default, {"id": 1, "v": "topic default"}), (k_short, {"id": 3, "v": "short"})):
+        h = headers_of(exp[key])
+        assert orjson.loads(exp[key].value()) == record and h["sow-op"] == "expire"
+        lateness = int(h["sow-actual-expiry"]) - int(h["sow-expires-at"])
+        assert 0 <= lateness < 1500, lateness
+    sow = {}
+    for m in read_all(kafka_bootstrap, f"{topic}.sow"):
+        sow[m.key().decode()] = m
+    assert sow[k_default].value() is None and headers_of(sow[k_default])["sow-op"] == "expire"
+    diffs = [(headers_of(m)["sow-op"], orjson.loads(m.value())) for m in read_all(kafka_bootstrap, f"{topic}.diff") if m.key().decode() == k_short]
+    assert diffs == [("insert", {"id": 3, "v": "short"}), ("expire", {"id": 3, "v": "short"})]
+    time.sleep(1)
+    assert ids(client, topic) == [2]  # 0 = never expires
+
+
+def test_update_postpones_expiry(env, kafka_bootstrap):
+    topic, client, worker = env
+    worker()
+    key = client.publish(topic, {"id": 1, "n": 0}, expiration="3s")
+    client.flush()
+    wait_until(lambda: ids(client, topic) == [1])
+    time.sleep(1)
+    client.publish(topic, {"id": 1, "n": 1}, delta=True, expiration="3s")
+    client.flush()
+    exp = wait_until(lambda: expired(kafka_bootstrap, topic).get(key), timeout=15, interval=0.2)
+    instants = [int(headers_of(m)["sow-expires-at"]) for m in read_all(kafka_bootstrap, f"{topic}.sow") if m.value() is not None]
+    assert len(instants) == 2 and instants[1] >= instants[0] + 900  # the update started a new lifetime
+    assert int(headers_of(exp)["sow-actual-expiry"]) >= instants[1]
+    assert orjson.loads(exp.value()) == {"id": 1, "n": 1}
+    assert len(read_all(kafka_bootstrap, f"EXP.{topic}")) == 1
+
+
+def test_worker_down_past_the_instant_expires_on_start(env, kafka_bootstrap):
+    topic, client, worker = env
+    w = worker()
+    key = client.publish(topic, {"id": 7})
+    client.flush()
+    wait_until(lambda: ids(client, topic) == [7])
+    w.stop()
+    time.sleep(3)
+    restarted = int(time.time() * 1000)
+    worker("w2", "d1")
+    exp = wait_until(lambda: expired(kafka_bootstrap, topic).get(key), timeout=30, interval=0.2)
+    h = headers_of(exp)
+    assert int(h["sow-actual-expiry"]) >= restarted > int(h["sow-expires-at"])
+    assert ids(client, topic) == []
+
+
+def test_records_moved_by_rebalance_expire_exactly_once(env, kafka_bootstrap):
+    topic, client, worker = env
+    worker("w1", "d1")
+    keys = {client.publish(topic, {"id": i}, expiration="4s") for i in range(40)}
+    client.flush()
+    wait_until(lambda: len(ids(client, topic)) == 40)
+    worker("w2", "d2")  # takes over half of the partitions while the records are alive
+    wait_until(lambda: len(expired(kafka_bootstrap, topic)) == 40, timeout=60, interval=0.5)
+    time.sleep(2)
+    counts = Counter(m.key().decode() for m in read_all(kafka_bootstrap, f"EXP.{topic}"))
+    assert set(counts) == keys and set(counts.values()) == {1}
+    assert ids(client, topic) == []
