@@ -111,15 +111,19 @@ def count_messages(bootstrap: str, topic: str, partitions: int, consumer: Consum
 
 
 def wait_for_count(
-    bootstrap: str, topic: str, partitions: int, n: int, timeout: float, poll: float = 0.05, alive=None
+    bootstrap: str, topic: str, partitions: int, n: int, timeout: float, poll: float = 0.05, alive=None, progress=None
 ) -> float:
     """Wait until `topic` holds at least n messages; returns the wall time (time.time()) it did.
-    `alive()` returning False (e.g. the worker died) stops the wait with an error."""
+    `alive()` returning False (e.g. the worker died) stops the wait with an error; `progress(count)`
+    is called at every poll (e.g. to sample the CPU time of the process under test)."""
     consumer = _consumer(bootstrap)
     try:
         deadline = time.monotonic() + timeout
         while True:
-            if count_messages(bootstrap, topic, partitions, consumer) >= n:
+            count = count_messages(bootstrap, topic, partitions, consumer)
+            if progress is not None:
+                progress(count)
+            if count >= n:
                 return time.time()
             if alive is not None and not alive():
                 raise RuntimeError(f"gave up waiting for {n} messages on {topic}: the process under test exited")
@@ -174,6 +178,16 @@ def proc_status_kb(pid: int, field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User + system CPU time of a process (all its threads) from /proc/<pid>/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mb(pid: int | None = None) -> float | None:

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    REPO, count_messages, create_topics, delete_topics, first_last_timestamps, kafka_bootstrap, log, median,
-    peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
+    REPO, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps, kafka_bootstrap, log,
+    median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
 )
 from processor.core.keys import checksum_key  # noqa: E402
 from processor.kafka import topic_configs  # noqa: E402
@@ -126,8 +126,17 @@ def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, pr
     began = time.time()
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO), env=env)
+    cpu: dict = {}
+
+    def sample(count: int) -> None:  # CPU time of the worker when the first and the N-th diff appear
+        if count and "first" not in cpu:
+            cpu["first"], cpu["first_count"] = cpu_seconds(process.pid), count
+        if count >= n:
+            cpu["last"] = cpu_seconds(process.pid)
+
     try:
-        wait_for_count(bootstrap, f"{topic}.diff", PARTITIONS, n, timeout=max(300.0, n / 500), alive=lambda: process.poll() is None)
+        wait_for_count(bootstrap, f"{topic}.diff", PARTITIONS, n, timeout=max(300.0, n / 500),
+                       alive=lambda: process.poll() is None, progress=sample)
         rss = peak_rss_mb(process.pid)
     except BaseException:
         tail = log_path.read_text(errors="replace")[-3000:]
@@ -150,7 +159,15 @@ def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, pr
         "rate_total": n / (last - began),
         "rate_steady": n / (last - first) if last > first else None,
         "rss_mb": rss,
+        "cpu_total_s": cpu.get("last"),
+        "cpu_us": _per_record_us(cpu.get("last"), cpu.get("first"), n - cpu.get("first_count", 0)),
     }
+
+
+def _per_record_us(end: float | None, start: float | None, records: int) -> float | None:
+    if end is None or start is None or records <= 0:
+        return None
+    return (end - start) / records * 1e6
 
 
 # the limit: a plain loop ------------------------------------------------------------------------
@@ -174,13 +191,13 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
     loads, dumps = orjson.loads, orjson.dumps
     produce = producer.produce
     done = 0
-    first = None
+    first = cpu_first = None
     while done < n:
         messages = consumer.consume(2000, 0.5)
         if not messages:
             continue
         if first is None:
-            first = time.time()
+            first, cpu_first = time.time(), cpu_seconds()
         batch = WriteBatch(raw_mode=True)
         staged: dict[bytes, dict] = {}
         for msg in messages:
@@ -209,7 +226,7 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
         db.write(batch)
         producer.poll(0)
     producer.flush(120)
-    end = time.time()
+    end, cpu_end = time.time(), cpu_seconds()
     consumer.close()
     db.close()
     return {
@@ -218,6 +235,8 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
         "rate_total": n / (end - began),
         "rate_steady": n / (end - first),
         "rss_mb": peak_rss_mb(),
+        "cpu_total_s": cpu_end,
+        "cpu_us": _per_record_us(cpu_end, cpu_first, n),
     }
 
 
@@ -297,6 +316,8 @@ def main() -> None:
             ("wall time incl. startup", col("worker", "total_s"), " s", 1),
             ("startup (spawn..first diff)", col("worker", "startup_s"), " s", 1),
             ("peak RSS (VmHWM)", col("worker", "rss_mb"), " MB", 0),
+            ("CPU per record, steady (all threads)", col("worker", "cpu_us"), " us", 1),
+            ("CPU time incl. startup", col("worker", "cpu_total_s"), " s", 1),
         ])
     if not args.worker_only:
         print_table("limit (plain confluent-kafka + orjson + rocksdict loop, one process):", [
@@ -304,6 +325,8 @@ def main() -> None:
             ("records/s incl. startup", col("limit", "rate_total"), " rec/s", 0),
             ("wall time incl. startup", col("limit", "total_s"), " s", 1),
             ("peak RSS (VmHWM)", col("limit", "rss_mb"), " MB", 0),
+            ("CPU per record, steady (all threads)", col("limit", "cpu_us"), " us", 1),
+            ("CPU time incl. startup", col("limit", "cpu_total_s"), " s", 1),
         ])
     w = median(col("worker", "rate_steady"))
     lim = median(col("limit", "rate_steady"))
@@ -311,6 +334,9 @@ def main() -> None:
     r = median(ratios)
     if r is not None:
         print(f"ratio worker/limit per run: {', '.join(f'{x:.2f}' for x in ratios if x is not None)} (target >= 0.33)")
+    cpu_ratios = [ratio(b, a) for a, b in zip(col("worker", "cpu_us"), col("limit", "cpu_us"))]
+    if median(cpu_ratios) is not None:
+        print(f"ratio by CPU per record (limit us / worker us; robust on a loaded machine): {median(cpu_ratios):.2f}")
     print(f"ingest: worker {w or 0:.0f} rec/s, limit {lim or 0:.0f} rec/s, ratio {r or 0:.2f}")
 
 

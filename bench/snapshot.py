@@ -30,7 +30,7 @@ import orjson  # noqa: E402
 from confluent_kafka import KafkaException, TopicPartition  # noqa: E402
 
 from bench.common import kafka_bootstrap, log  # noqa: E402
-from processor.kafka import ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs  # noqa: E402
+from processor.kafka import ensure_topics, make_consumer, make_producer, produce, read_until  # noqa: E402
 from processor.runner.topic_processor import InputMessage  # noqa: E402
 from processor.spark.history import SowFold, in_order  # noqa: E402
 from processor.topology import SowTopic  # noqa: E402
@@ -87,7 +87,8 @@ def history(spec: SowTopic, events: int, keys: int, seed: int = 7):
 
 def ensure_history(bootstrap: str, spec: SowTopic, events: int, keys: int) -> None:
     """Produce the history unless its topics already hold it (a previous run made them)."""
-    ensure_topics(_admin(bootstrap), {n: c for n, c in topic_configs(spec).items() if n in (spec.topic, spec.delta_topic)})
+    keep = {"retention.ms": "-1"}  # the timestamps are in the past: time retention would drop them
+    ensure_topics(_admin(bootstrap), {n: (spec.partitions, keep) for n in (spec.topic, spec.delta_topic)})
     have = sum(high - low for (low, high) in _marks(bootstrap, spec).values())
     if have == events:
         log(f"history: reusing {events:,} events in {spec.topic} and {spec.delta_topic}")

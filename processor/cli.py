@@ -24,11 +24,11 @@ def _fail(message: str) -> None:
     raise click.ClickException(message)
 
 
-def _client(bootstrap: str | None, topology: str | None):
+def _client(bootstrap: str | None, topology: str | None, group: str | None = None):
     from .client import Client, ClientError
 
     try:
-        return Client(bootstrap, topology)
+        return Client(bootstrap, topology, group)
     except (ClientError, TopologyError) as exc:
         _fail(str(exc))
 
@@ -46,6 +46,13 @@ def _client_errors():
         yield
     except (ClientError, TopologyError, DurationError, FilterError) as exc:
         _fail(str(exc))
+
+
+GROUP = click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group of the workers to ask.")
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
 @click.group()
@@ -168,29 +175,34 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key) -> N
 @click.option("--filter", "filter_", default=None, help="Delete every record matching this filter.")
 @click.option("--keys", default=None, help="Comma-separated SowKeys to delete.")
 @click.option("--data", default=None, help="Delete the record this JSON would have updated.")
-def delete(bootstrap, topology, topic, filter_, keys, data) -> None:
-    """sow_delete by filter, by SowKeys or by data."""
+@GROUP
+@click.option("--wait", type=float, default=30.0, show_default=True, help="Seconds to wait for the workers to report the deletes (0: just send).")
+def delete(bootstrap, topology, group, topic, filter_, keys, data, wait) -> None:
+    """sow_delete by filter, by SowKeys or by data; prints how many records were deleted."""
     if sum(x is not None for x in (filter_, keys, data)) != 1:
         _fail("give exactly one of --filter, --keys or --data")
-    client = _client(bootstrap, topology)
+    client = _client(bootstrap, topology, group)
     with _client_errors():
-        client.delete(topic, filter=filter_, keys=keys.split(",") if keys else None, data=data)
+        count = client.delete(topic, filter=filter_, keys=_split(keys), data=data, wait=wait or None)
         client.flush()
-    click.echo("sow_delete sent", err=True)
+    _print({"deleted": count} if count is not None else {"sent": True})
 
 
 @main.command()
 @BOOTSTRAP
 @TOPOLOGY
+@GROUP
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None)
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")
 @click.option("--select", default=None, help="Comma-separated field paths to return.")
-def query(bootstrap, topology, topic, filter_, keys, select) -> None:
-    """SOW query: the current records, as JSON lines."""
-    client = _client(bootstrap, topology)
+@click.option("--top", type=int, default=None, help="At most this many records.")
+@click.option("--order-by", default=None, help="Field path to sort by, optionally followed by DESC.")
+def query(bootstrap, topology, group, topic, filter_, keys, select, top, order_by) -> None:
+    """SOW query: the current records, as JSON lines (answered by the workers)."""
+    client = _client(bootstrap, topology, group)
     with _client_errors():
-        for entry in client.query(topic, filter=filter_, keys=keys.split(",") if keys else None, select=select.split(",") if select else None):
+        for entry in client.query(topic, filter=filter_, keys=_split(keys), select=_split(select), top=top, order_by=order_by):
             _print(entry.as_dict())
 
 

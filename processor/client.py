@@ -8,20 +8,26 @@ Delta subscriptions compute each delta from consecutive versions of a record wit
 
 from __future__ import annotations
 
+import os
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from .api.types import InputError, Op
+from .api.types import InputError, Op, SowRecord
 from .core import commands as h
 from .core.codec import Codec, codec_for
 from .core.durations import parse_duration_ms
 from .core.keys import KeyError_
+from .core.paths import split_path
 from .core.subscription import SubscriptionSpec, conflate
 from .kafka import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from .runner.query import SowQuery, order_and_cut, result
 from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
 
 
@@ -53,7 +59,7 @@ def _int_header(headers: list | None, name: str) -> int | None:
 
 
 class Client:
-    def __init__(self, bootstrap: str | None = None, topology: Topology | str | None = None):
+    def __init__(self, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None):
         resolved = resolve_bootstrap(bootstrap)
         if not resolved:
             raise ClientError("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
@@ -63,6 +69,8 @@ class Client:
         self._codecs: dict[str, Codec] = {}
         self._base = base
         self._producer = None
+        self.group = group or os.environ.get("KSOW_GROUP") or "ksow"
+        self.last_query_source: str | None = None
 
     # helpers ------------------------------------------------------------------------------
     def spec(self, topic: str) -> SowTopic:
@@ -122,8 +130,12 @@ class Client:
         self.producer.poll(0)
         return key
 
-    def delete(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, data: Any = None) -> None:
-        """sow_delete by filter, by SowKeys or by data (the record the data would have updated)."""
+    def delete(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, data: Any = None, wait: float | None = None) -> int | None:
+        """sow_delete by filter, by SowKeys or by data (the record the data would have updated).
+
+        With `wait` (seconds), also returns how many records the workers deleted: the records that
+        matched when the delete was sent and whose delete events then appeared on `<topic>.sow`.
+        """
         spec = self.spec(topic)
         headers = [(h.H_COMMAND, b"sow_delete")]
         value = None
@@ -143,8 +155,28 @@ class Client:
                 raise ClientError(str(exc)) from None
         else:
             raise ClientError("delete needs a filter, keys or data")
-        produce(self.producer, spec.topic, value, key, headers=headers)
-        self.producer.poll(0)
+        if wait is None:
+            produce(self.producer, spec.topic, value, key, headers=headers)
+            self.producer.poll(0)
+            return None
+        targets = {e.sow_key for e in self.query(topic, filter=filter, keys=keys or ([key.decode()] if key else None))}
+        consumer = make_consumer(self.bootstrap)
+        try:
+            ends = end_offsets(consumer, spec.sow_topic, range(spec.partitions))
+            consumer.assign([TopicPartition(spec.sow_topic, p, high) for p, (_, high) in ends.items()])
+            produce(self.producer, spec.topic, value, key, headers=headers)
+            self.flush()
+            deleted: set[str] = set()
+            deadline = time.monotonic() + wait
+            while deleted < targets and time.monotonic() < deadline:
+                for msg in consumer.consume(500, 0.2):
+                    if msg.error() is None and msg.value() is None and _header(msg.headers(), h.H_OP) == "delete":
+                        k = msg.key().decode()
+                        if k in targets:
+                            deleted.add(k)
+            return len(deleted)
+        finally:
+            consumer.close()
 
     def flush(self, timeout: float = 30.0) -> None:
         if self._producer is not None and self._producer.flush(timeout) > 0:
@@ -171,18 +203,75 @@ class Client:
                 state[key] = (codec.decode(msg.value()), _int_header(hs, h.H_SEQ), _int_header(hs, h.H_EXPIRES_AT))
         return state, ends, consumer
 
-    def query(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, select: list[str] | None = None) -> list[SowEntry]:
-        """The current records of a SOW topic that match the filter and keys."""
+    def query(
+        self,
+        topic: str,
+        *,
+        filter: str | None = None,
+        keys: list[str] | None = None,
+        select: list[str] | None = None,
+        top: int | None = None,
+        order_by: str | None = None,
+    ) -> list[SowEntry]:
+        """The current records of a SOW topic that match the filter and keys.
+
+        Answered by the running workers over HTTP (each for its partitions; hash indexes used where
+        the filter allows); when no set of live workers covers every partition, the client reads
+        `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
+        """
         spec = self.spec(topic)
-        sub = self._subscription_spec(spec, filter, select=select)
+        query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
+        if filter:
+            from .core.filters import compile_filter
+
+            compile_filter(filter)  # a bad filter is the caller's error, with its position
+        rows = self._query_workers(spec, query)
+        self.last_query_source = "workers"
+        if rows is None:
+            rows = self._query_changelog(spec, query)
+            self.last_query_source = "changelog"
+        return [SowEntry(r["sow_key"], r["seq"], r["expires_at"], r["record"]) for r in rows]
+
+    def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .runner.registry import live_workers
+
+        params = urllib.parse.urlencode(query.to_params())
+        for attempt in range(attempts):
+            workers = [w for w in live_workers(self.bootstrap, self.group) if spec.topic in w["topics"]]
+            if not workers:
+                return None
+            with ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
+                answers = list(pool.map(lambda w: _http_json(f"{w['url']}/sow/{spec.topic}?{params}"), workers))
+            covered: set[int] = set()
+            rows: dict[str, dict] = {}
+            for answer in answers:
+                if answer is None:
+                    continue
+                if "error" in answer:
+                    raise ClientError(answer["error"])
+                fresh = set(answer["partitions"]) - covered
+                covered |= fresh
+                for row in answer["results"]:
+                    rows.setdefault(row["sow_key"], row)
+            if covered >= set(range(spec.partitions)):
+                return order_and_cut(list(rows.values()), query, lambda r: r["record"])
+            time.sleep(0.5 * (attempt + 1))  # a rebalance is moving partitions: ask again
+        return None
+
+    def _query_changelog(self, spec: SowTopic, query: SowQuery) -> list[dict]:
+        sub = self._subscription_spec(spec, query.filter)
         state, _, consumer = self._snapshot(spec)
         consumer.close()
-        wanted = set(keys) if keys else None
-        out = []
-        for key, (record, seq, expires) in state.items():
-            if (wanted is None or key in wanted) and sub.matches(record):
-                out.append(SowEntry(key, seq, expires, sub.shape(record)))
-        return out
+        wanted = set(query.keys) if query.keys else None
+        select = [split_path(p) for p in query.select]
+        rows = [
+            result(key, SowRecord(record, seq or 0, expires), select)
+            for key, (record, seq, expires) in state.items()
+            if (wanted is None or key in wanted) and sub.matches(record)
+        ]
+        return order_and_cut(rows, query, lambda r: r["record"])
 
     def _subscription_spec(self, spec: SowTopic, filter: str | None, **options) -> SubscriptionSpec:
         predicate = None
@@ -275,6 +364,20 @@ class Client:
             after = codec.decode(msg.value())
             state[key] = (after, seq, expires)
         return sub.change(op, key, seq, before_record, after, expires)
+
+
+def _http_json(url: str, timeout: float = 30.0) -> dict | None:
+    """GET a worker's JSON answer; None when the worker is gone (its partitions will be missing)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return orjson.loads(exc.read())
+        except orjson.JSONDecodeError:
+            return None
+    except (urllib.error.URLError, OSError):
+        return None
 
 
 def _conflate_event(pending: dict | None, event: dict) -> dict:

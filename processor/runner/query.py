@@ -1,0 +1,149 @@
+"""SOW queries against a worker's stores: hash-index lookups where the filter allows, else a scan.
+
+A filter that is a conjunction holding `path = literal` or `path IN (...)` terms on exactly the
+fields of a hash index is answered from the index: only the candidate records are read (and still
+checked against the whole filter). Anything else scans the partition.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+from ..api.types import SowRecord
+from ..core.filters import Filter, compile_filter
+from ..core.paths import MISSING, get_path, project, split_path
+from ..state.base import PartitionStore
+
+
+@dataclass
+class SowQuery:
+    filter: str | None = None
+    keys: tuple[str, ...] = ()
+    select: tuple[str, ...] = ()
+    top: int | None = None
+    order_by: str | None = None  # "/path" or "/path DESC"
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> "SowQuery":
+        split = lambda name: tuple(x.strip() for x in params.get(name, "").split(",") if x.strip())  # noqa: E731
+        top = params.get("top")
+        return cls(params.get("filter") or None, split("keys"), split("select"), int(top) if top else None, params.get("order_by") or None)
+
+    def to_params(self) -> dict[str, str]:
+        out = {}
+        if self.filter:
+            out["filter"] = self.filter
+        if self.keys:
+            out["keys"] = ",".join(self.keys)
+        if self.select:
+            out["select"] = ",".join(self.select)
+        if self.top is not None:
+            out["top"] = str(self.top)
+        if self.order_by:
+            out["order_by"] = self.order_by
+        return out
+
+    @property
+    def ordering(self) -> tuple[tuple[str, ...], bool] | None:
+        if not self.order_by:
+            return None
+        parts = self.order_by.split()
+        descending = len(parts) > 1 and parts[1].upper() == "DESC"
+        return split_path(parts[0]), descending
+
+
+@dataclass
+class QueryPlan:
+    index: int | None  # hash index number used, or None for a scan
+    candidates: int = 0  # records read
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def choose_index(predicate: Filter, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, list[tuple]] | None:
+    """(index number, value tuples to look up) when an index covers equality terms of the filter."""
+    terms = predicate.equality_terms()
+    if not terms:
+        return None
+    for no, paths in enumerate(indexes):
+        if all(p in terms for p in paths):
+            return no, list(itertools.product(*(sorted(terms[p], key=repr) for p in paths)))
+    return None
+
+
+def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None, indexes, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
+    if query.keys:
+        for key in query.keys:
+            record = store.get(key)
+            if record is not None:
+                yield key, record
+        return
+    choice = choose_index(predicate, indexes) if predicate is not None else None
+    if choice is None:
+        yield from store.records()
+        return
+    plan.index = choice[0]
+    seen: set[str] = set()
+    for values in choice[1]:
+        for key in store.lookup(choice[0], values):
+            if key not in seen:
+                seen.add(key)
+                record = store.get(key)
+                if record is not None:
+                    yield key, record
+
+
+def run_query(stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...]) -> tuple[list[dict], QueryPlan]:
+    """The matching records of the given partitions as result dicts, ordered and cut to `top`."""
+    predicate = compile_filter(query.filter) if query.filter else None
+    plan = QueryPlan(None)
+    select = [split_path(p) for p in query.select]
+    rows: list[tuple[str, SowRecord]] = []
+    for store in stores:
+        for key, record in _candidates(store, query, predicate, indexes, plan):
+            plan.candidates += 1
+            if predicate is None or predicate.matches(record.data):
+                rows.append((key, record))
+    rows = order_and_cut(rows, query, lambda row: row[1].data)
+    return [result(key, rec, select) for key, rec in rows], plan
+
+
+def order_and_cut(rows: list, query: SowQuery, data_of) -> list:
+    """Sort by `order_by` (records without the field last) and keep `top`; shared by worker and client."""
+    ordering = query.ordering
+    if ordering is not None:
+        parts, descending = ordering
+
+        def sort_key(row):
+            value = get_path(data_of(row), parts)
+            missing = value is MISSING or value is None
+            return (missing, _sortable(value) if not missing else (0, ""))
+
+        present = [r for r in rows if not sort_key(r)[0]]
+        absent = [r for r in rows if sort_key(r)[0]]
+        if query.top is not None and not descending:
+            present = heapq.nsmallest(query.top, present, key=lambda r: sort_key(r)[1])
+        else:
+            present.sort(key=lambda r: sort_key(r)[1], reverse=descending)
+        rows = present + absent
+    if query.top is not None:
+        rows = rows[: query.top]
+    return rows
+
+
+def _sortable(value: Any) -> tuple[int, Any]:
+    """Numbers before strings before anything else, so mixed types never fail to sort."""
+    if isinstance(value, bool):
+        return (2, str(value))
+    if isinstance(value, (int, float)):
+        return (0, value)
+    if isinstance(value, str):
+        return (1, value)
+    return (3, repr(value))
+
+
+def result(key: str, record: SowRecord, select: list[tuple[str, ...]] | None = None) -> dict:
+    data = project(record.data, select) if select else record.data
+    return {"sow_key": key, "seq": record.seq, "expires_at": record.expires_at, "record": data}

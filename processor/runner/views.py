@@ -1,0 +1,118 @@
+"""Server-side views: `<view>.sow` and `<view>.diff` kept by the workers from a SOW topic's changes.
+
+A view is a standing subscription (filter, select list, options, conflation) whose output is two
+Kafka topics, so its consumers need no ksow code. `<view>.sow` is compacted: the selected record
+while it is in focus, a tombstone when it leaves (sow-op oof or the removal). `<view>.diff` carries
+what a delta subscriber with the view's options would get, including OOF events (sow-op oof, header
+sow-oof-reason). Conflation applies to `<view>.diff`: deltas of a record within the interval are
+merged into one event, sent when the interval ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from ..api.types import Op
+from ..core.commands import H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
+from ..core.durations import parse_duration_ms
+from ..core.filters import compile_filter
+from ..core.subscription import SubscriptionSpec, conflate
+from ..core.sow import Transition
+from ..topology import SowTopic, View
+
+H_OOF_REASON = "sow-oof-reason"
+
+
+@dataclass
+class _Pending:
+    due: int
+    event: dict
+    headers: list
+
+
+@dataclass
+class ViewProcessor:
+    view: View
+    spec: SowTopic
+    sub: SubscriptionSpec = field(init=False)
+    conflation_ms: int = field(init=False)
+    pending: dict[int, dict[str, _Pending]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        options = set(self.view.options)
+        self.sub = SubscriptionSpec(
+            filter=compile_filter(self.view.filter).matches,
+            delta=True,
+            oof="oof" in options,
+            no_empties="no_empties" in options,
+            no_sowkey="no_sowkey" in options,
+            select=tuple(self.view.select),
+            key_paths=self.spec.key_spec.split,
+        )
+        self.conflation_ms = parse_duration_ms(self.view.conflation) if self.view.conflation else 0
+
+    @property
+    def sow_topic(self) -> str:
+        return f"{self.view.name}.sow"
+
+    @property
+    def diff_topic(self) -> str:
+        return f"{self.view.name}.diff"
+
+    def on_change(self, p: int, t: Transition, now: int) -> list[tuple[str, int, bytes, bytes | None, list]]:
+        """(topic, partition, key, value, headers) for one transition of the SOW topic."""
+        before = t.before.data if t.before else None
+        after = t.after.data if t.after else None
+        record = t.after or t.before
+        expires = record.expires_at if record else None
+        key = t.key.encode()
+        out = []
+        was, now_in = self.sub.matches(before), self.sub.matches(after)
+        base = [(H_KEY, key), (H_SEQ, str(t.seq).encode())]
+        if expires is not None:
+            base.append((H_EXPIRES_AT, str(expires).encode()))
+        if now_in:
+            out.append((self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H_OP, t.op.value.encode())]))
+        elif was:
+            op = t.op if t.op.removes else Op.OOF
+            out.append((self.sow_topic, p, key, None, base + [(H_OP, op.value.encode())]))
+        event = self.sub.change(t.op, t.key, t.seq, before, after, expires)
+        if event is None:
+            return out
+        headers = base + [(H_OP, event["op"].encode())]
+        if "reason" in event:
+            headers.append((H_OOF_REASON, event["reason"].encode()))
+        if self.conflation_ms:
+            self._hold(p, t.key, event, headers, now)
+        else:
+            out.append((self.diff_topic, p, key, orjson.dumps(event["record"]), headers))
+        return out
+
+    def _hold(self, p: int, key: str, event: dict, headers: list, now: int) -> None:
+        waiting = self.pending.setdefault(p, {})
+        held = waiting.get(key)
+        if held is None:
+            waiting[key] = _Pending(now + self.conflation_ms, event, headers)
+            return
+        merges = held.event["op"] in ("insert", "update") and event["op"] in ("insert", "update")
+        if merges:
+            merged = dict(event, record=conflate(held.event["record"], event["record"]))
+            if held.event["op"] == "insert":
+                merged["op"] = "insert"
+                headers = [(k, v) for k, v in headers if k != H_OP] + [(H_OP, b"insert")]
+            held.event, held.headers = merged, headers
+        else:
+            held.event, held.headers = event, headers
+
+    def due(self, p: int, now: int, everything: bool = False) -> list[tuple[str, int, bytes, bytes | None, list]]:
+        """Conflated events whose interval has ended (all of them when a partition is handed over)."""
+        waiting = self.pending.get(p)
+        if not waiting:
+            return []
+        out = []
+        for key in [k for k, held in waiting.items() if everything or held.due <= now]:
+            held = waiting.pop(key)
+            out.append((self.diff_topic, p, key.encode(), orjson.dumps(held.event["record"]), held.headers))
+        return out

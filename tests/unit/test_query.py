@@ -1,0 +1,68 @@
+"""SOW queries on real stores: index choice, filters, keys, select, order and top."""
+
+import pytest
+
+from processor.api.types import SowRecord
+from processor.core.filters import compile_filter
+from processor.runner.query import SowQuery, choose_index, order_and_cut, run_query
+from processor.state import IndexSpec, open_partition_store
+
+INDEXES = (("/status",), ("/region", "/desk"))
+
+
+@pytest.fixture(params=["rocksdb", "memory"])
+def stores(request, tmp_path):
+    out = []
+    for p in range(2):
+        s = open_partition_store(request.param, str(tmp_path / f"p{p}"), IndexSpec(INDEXES))
+        for i in range(p, 40, 2):
+            s.stage(f"k{i:02d}", SowRecord({"id": i, "status": ["open", "done"][i % 3 == 0], "region": ["EU", "US"][i % 2], "desk": i % 4, "qty": i * 10}, i))
+        s.commit()
+        out.append(s)
+    yield out
+    for s in out:
+        s.close()
+
+
+def ids(rows):
+    return sorted(r["record"]["id"] for r in rows)
+
+
+def test_indexed_equality_reads_only_candidates(stores):
+    rows, plan = run_query(stores, SowQuery("/status = 'done' AND /qty > 100"), INDEXES)
+    assert plan.index == 0
+    assert ids(rows) == [i for i in range(40) if i % 3 == 0 and i * 10 > 100]
+    assert plan.candidates == len([i for i in range(40) if i % 3 == 0])
+
+
+def test_composite_index_with_in(stores):
+    rows, plan = run_query(stores, SowQuery("/region = 'EU' AND /desk IN (0, 2)"), INDEXES)
+    assert plan.index == 1 and ids(rows) == [i for i in range(0, 40, 2)]
+
+
+def test_scan_when_no_index_covers(stores):
+    rows, plan = run_query(stores, SowQuery("/qty >= 350 OR /id = 1"), INDEXES)
+    assert plan.index is None and plan.candidates == 40
+    assert ids(rows) == [1, 35, 36, 37, 38, 39]
+
+
+def test_keys_select_order_top(stores):
+    rows, _ = run_query(stores, SowQuery(keys=("k03", "k04", "nope")), INDEXES)
+    assert ids(rows) == [3, 4]
+    rows, _ = run_query(stores, SowQuery("/region = 'US'", select=("/qty",), top=3, order_by="/qty DESC"), INDEXES)
+    assert [r["record"] for r in rows] == [{"qty": 390}, {"qty": 370}, {"qty": 350}]
+    rows, _ = run_query(stores, SowQuery(top=2, order_by="/qty"), INDEXES)
+    assert ids(rows) == [0, 1]
+
+
+def test_choose_index_needs_all_fields():
+    assert choose_index(compile_filter("/region = 'EU'"), INDEXES) is None
+    no, values = choose_index(compile_filter("/region IN ('EU','US') AND /desk = 1"), INDEXES)
+    assert no == 1 and sorted(values) == [("EU", 1), ("US", 1)]
+    assert choose_index(compile_filter("/status = 'a' OR /status = 'b'"), INDEXES) is None
+
+
+def test_order_puts_missing_last_and_mixes_types():
+    rows = [{"v": 2}, {}, {"v": "a"}, {"v": 1.5}]
+    out = order_and_cut(rows, SowQuery(order_by="/v"), lambda r: r)
+    assert out == [{"v": 1.5}, {"v": 2}, {"v": "a"}, {}]
