@@ -88,7 +88,9 @@ def history(spec: SowTopic, events: int, keys: int, seed: int = 7):
 def ensure_history(bootstrap: str, spec: SowTopic, events: int, keys: int) -> None:
     """Produce the history unless its topics already hold it (a previous run made them)."""
     keep = {"retention.ms": "-1"}  # the timestamps are in the past: time retention would drop them
-    ensure_topics(_admin(bootstrap), {n: (spec.partitions, keep) for n in (spec.topic, spec.delta_topic)})
+    admin = _admin(bootstrap)
+    ensure_topics(admin, {n: (spec.partitions, keep) for n in (spec.topic, spec.delta_topic)})
+    keep_history(admin, [spec.topic, spec.delta_topic])
     have = sum(high - low for (low, high) in _marks(bootstrap, spec).values())
     if have == events:
         log(f"history: reusing {events:,} events in {spec.topic} and {spec.delta_topic}")
@@ -104,6 +106,16 @@ def ensure_history(bootstrap: str, spec: SowTopic, events: int, keys: int) -> No
     producer.flush(300)
     took = time.perf_counter() - began
     log(f"history: produced {events:,} events in {took:.1f}s ({events / took:,.0f}/s)")
+
+
+def keep_history(admin, topics: list[str]) -> None:
+    """retention.ms=-1 on topics that may exist already (created by another run or auto-created)."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    entry = ConfigEntry("retention.ms", "-1", incremental_operation=AlterConfigOpType.SET)
+    resources = [ConfigResource("topic", t, incremental_configs=[entry]) for t in topics]
+    for future in admin.incremental_alter_configs(resources).values():
+        future.result()
 
 
 def _admin(bootstrap: str):

@@ -84,7 +84,7 @@ def _bootstrap_or_embedded(bootstrap: str | None):
         yield kafka.bootstrap
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None):
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None, web_host: str | None = None):
     from .runner.faust_worker import SowWorker
 
     try:
@@ -92,13 +92,14 @@ def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | No
     except TopologyError as exc:
         _fail(str(exc))
     topology_dir = Path(topology).resolve().parent.parent if topology else None
-    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir)
+    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir, web_host=web_host)
 
 
 WORKER_OPTIONS = [
     click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group (and Faust app id) of the workers."),
     click.option("--data-dir", envvar="KSOW_DATA_DIR", default=None, help="Folder for this worker's RocksDB stores."),
     click.option("--web-port", type=int, default=None, help="Port of this worker's HTTP endpoint (default: a free one)."),
+    click.option("--web-host", envvar="KSOW_WEB_HOST", default=None, help="Host name clients use to reach this worker (default 127.0.0.1)."),
 ]
 
 
@@ -113,11 +114,11 @@ def _worker_options(fn):
 @TOPOLOGY
 @_worker_options
 @click.option("--loglevel", default="info", show_default=True)
-def up(bootstrap, topology, group, data_dir, web_port, loglevel) -> None:
+def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given)."""
     load_topology(topology) if topology else None
     with _bootstrap_or_embedded(bootstrap) as address:
-        worker = _worker(address, topology, group, data_dir, web_port)
+        worker = _worker(address, topology, group, data_dir, web_port, web_host)
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.processors)}, bootstrap {address}", err=True)
         try:
             worker.run(loglevel)

@@ -64,7 +64,7 @@ def produce(producer: Producer, topic: str, value, key=None, partition: int | No
             producer.poll(0.05)
 
 
-def topic_configs(spec: SowTopic) -> dict[str, tuple[int, dict[str, str]]]:
+def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, str]]]:
     """Every topic a SOW topic uses: name -> (partitions, configs). All share the partition count."""
     n = spec.partitions
     compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
@@ -79,6 +79,9 @@ def topic_configs(spec: SowTopic) -> dict[str, tuple[int, dict[str, str]]]:
     }
     if spec.expired_topic:
         topics[spec.expired_topic] = (n, {})
+    for view in views:
+        topics[f"{view.name}.sow"] = (n, compacted)
+        topics[f"{view.name}.diff"] = (n, {})
     return topics
 
 

@@ -113,6 +113,8 @@ class SowTopic(BaseModel):
         lo, hi = _duration_or_none(self.min_expiration), _duration_or_none(self.max_expiration)
         if lo is not None and hi is not None and lo > hi:
             raise ValueError("min_expiration is greater than max_expiration")
+        if 0 < self.capacity < self.partitions:
+            raise ValueError(f"capacity {self.capacity} is below partitions {self.partitions}: capacity is split over the partitions")
         if self.message_type is MessageType.AVRO and not self.schema_:
             raise ValueError("message_type avro needs schema: schemas/<file>.avsc")
         return self
@@ -209,7 +211,13 @@ class Topology(BaseModel):
         for view in self.views:
             if view.topic not in names:
                 raise ValueError(f"view {view.name} refers to unknown SOW topic {view.topic}")
+        view_names = [v.name for v in self.views]
+        if len(set(view_names)) != len(view_names) or set(view_names) & set(names):
+            raise ValueError("view names must be unique and differ from SOW topic names")
         return self
+
+    def views_of(self, topic: str) -> list["View"]:
+        return [v for v in self.views if v.topic == topic]
 
     def topic(self, name: str) -> SowTopic:
         for spec in self.sow:

@@ -47,7 +47,9 @@ __all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_ke
 
 
 class FilterError(ValueError):
-    """An unparsable filter: `position` is the 0-based offset of the problem, `expected` what would fit."""
+    """An unparsable filter: `position` is the 0-based offset of the problem, `expected` what fits.
+
+    str() shows the text with a caret under the position."""
 
     def __init__(self, text: str, position: int, expected: list[str], found: str | None = None):
         self.text = text
@@ -144,7 +146,7 @@ class Or:
 _GRAMMAR = r"""
 start: or_expr
 ?or_expr: and_expr (OR and_expr)*
-?and_expr: not_expr (OR not_expr)*
+?and_expr: not_expr (AND not_expr)*
 ?not_expr: NOT not_expr -> not_
          | predicate
 ?predicate: "(" or_expr ")"
@@ -217,7 +219,7 @@ def _negated(items: list) -> bool:
 
 
 class _Build(Transformer):
-    """Parse tree -> frozen syntax tree; knows the text so late errors (bad regex) can point into it."""
+    """Parse tree -> frozen syntax tree; knows the text so a bad regex can be pointed at."""
 
     def __init__(self, text: str):
         super().__init__()
@@ -246,7 +248,8 @@ class _Build(Transformer):
             re.compile(pattern)
         except re.error as exc:
             pos = token.start_pos + 1 + (exc.pos or 0)
-            raise FilterError(self._text, pos, [f"a valid regular expression ({exc.msg})"]) from None
+            expected = [f"a valid regular expression ({exc.msg})"]
+            raise FilterError(self._text, pos, expected) from None
         return Like(items[0], pattern, _negated(items[1:]))
 
     def in_(self, items):
@@ -299,7 +302,8 @@ def _parse(text: str) -> Any:
     except UnexpectedCharacters as exc:
         pos = exc.pos_in_stream
         found = "an unterminated string" if text[pos] in "'\"" else repr(text[pos])
-        raise FilterError(text, pos, _describe(_accepts_after(text[:pos], exc.allowed)), found) from None
+        expected = _describe(_accepts_after(text[:pos], exc.allowed))
+        raise FilterError(text, pos, expected, found) from None
     except UnexpectedInput as exc:  # pragma: no cover - other lark input errors
         raise FilterError(text, getattr(exc, "pos_in_stream", 0) or 0, ["a valid filter"]) from None
     try:
@@ -309,7 +313,7 @@ def _parse(text: str) -> Any:
 
 
 def _accepts_after(prefix: str, fallback) -> set[str]:
-    """What the parser accepts after a prefix (the lexer's own list is wider: LALR shares states)."""
+    """What the parser accepts after a prefix (the lexer's list is wider: LALR shares states)."""
     try:
         interactive = _PARSER.parse_interactive(prefix)
         interactive.exhaust_lexer()
@@ -439,7 +443,7 @@ def _case(fn: Callable[[str], str], v: Any) -> Any:
 
 
 def _in_scalar(values: tuple) -> Callable[[Any], bool | None]:
-    """`v IN (values)` for one non-NULL scalar, as the Kleene OR of v = each value, via set lookups."""
+    """`v IN (values)` for one non-NULL scalar: the Kleene OR of v = each value, via set lookups."""
     strs = frozenset(v for v in values if type(v) is str)
     nums = frozenset(v for v in values if _is_number(v))
     bools = frozenset(v for v in values if type(v) is bool)
@@ -448,7 +452,8 @@ def _in_scalar(values: tuple) -> Callable[[Any], bool | None]:
     str_bools = frozenset(_BOOL_TEXT[s.lower()] for s in strs if s.lower() in _BOOL_TEXT)
     # When no value equals v, the answer is UNKNOWN if some value was incomparable, else FALSE.
     num_miss = None if has_null or bools or any(_to_number(s) is None for s in strs) else False
-    bool_miss = None if has_null or nums or any(s.lower() not in _BOOL_TEXT for s in strs) else False
+    bool_words = all(s.lower() in _BOOL_TEXT for s in strs)
+    bool_miss = None if has_null or nums or not bool_words else False
 
     def in_scalar(v: Any) -> bool | None:
         t = type(v)
@@ -710,7 +715,7 @@ class Filter:
         return self._fn(record) is True
 
     def equality_terms(self) -> dict[str, frozenset] | None:
-        """{path: values} from top-level AND terms `path = literal` / `path IN (...)`, for hash indexes.
+        """{path: values} from top-level AND terms `path = literal` / `path IN (...)`, for indexes.
 
         A record can match only if, for every path, its value equals one of the values; the
         caller narrows candidates with that and still applies matches(). Because AMPS compares
@@ -726,7 +731,7 @@ class Filter:
             term = _equality_term(item)
             if term is not None:
                 path, values = term
-                # Keep the smaller set: intersecting is wrong for arrays (['x','y'] = 'x' and = 'y').
+                # Keep the smaller set; intersecting is wrong for arrays (['x','y'] = 'x' and 'y').
                 if path not in terms or len(values) < len(terms[path]):
                     terms[path] = values
         if terms:
@@ -796,7 +801,7 @@ def _fields(node: Any, out: set[str]) -> set[str]:
 
 @lru_cache(maxsize=4096)
 def compile_filter(text: str) -> Filter:
-    """Parse and compile a filter; raises FilterError. Cached by text, since subscriptions repeat."""
+    """Parse and compile a filter; raises FilterError. Cached by text: subscriptions repeat."""
     return Filter(text, _parse(text))
 
 
@@ -823,7 +828,8 @@ def _format(node: Any) -> str:
     if isinstance(node, Or):
         return " OR ".join(_format(i) for i in node.items)
     if isinstance(node, And):
-        return " AND ".join(f"({_format(i)})" if isinstance(i, Or) else _format(i) for i in node.items)
+        return " AND ".join(f"({_format(i)})" if isinstance(i, Or) else _format(i)
+                            for i in node.items)  # fmt: skip
     if isinstance(node, Not):
         inner = _format(node.expr)
         return f"NOT ({inner})" if isinstance(node.expr, (And, Or)) else f"NOT {inner}"

@@ -24,7 +24,9 @@ from confluent_kafka.admin import AdminClient
 
 from ..kafka import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
 from ..topology import Topology
+from .registry import ensure_registry
 from .topic_processor import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
+from .web import install_web
 
 log = logging.getLogger("ksow.worker")
 
@@ -48,14 +50,18 @@ class SowWorker:
         data_dir: Path | None = None,
         web_port: int | None = None,
         topology_dir: Path | None = None,
+        web_host: str | None = None,
     ):
         self.topology = topology
         self.bootstrap = bootstrap
         self.group = group
         self.web_port = web_port or free_port()
+        self.web_host = web_host or os.environ.get("KSOW_WEB_HOST") or "127.0.0.1"
         self.data_dir = Path(data_dir or Path.home() / ".cache" / "ksow" / "data" / group / f"{socket.gethostname()}-{self.web_port}")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.processors = {s.topic: SowTopicProcessor(s, self.data_dir / "sow", topology_dir) for s in topology.sow}
+        self.processors = {
+            s.topic: SowTopicProcessor(s, self.data_dir / "sow", topology_dir, topology.views_of(s.topic)) for s in topology.sow
+        }
         self.locks = {name: asyncio.Lock() for name in self.processors}
         self.ready: set[tuple[str, int]] = set()
         self.producer = make_producer(bootstrap)
@@ -74,8 +80,8 @@ class SowWorker:
             consumer_auto_offset_reset="earliest",
             topic_replication_factor=1,
             web_enabled=True,
-            web_bind="127.0.0.1",
-            web_host="127.0.0.1",
+            web_bind="127.0.0.1" if self.web_host == "127.0.0.1" else "0.0.0.0",
+            web_host=self.web_host,
             web_port=self.web_port,
             stream_buffer_maxsize=BATCH_MAX * 2,
         )
@@ -89,14 +95,16 @@ class SowWorker:
         app.on_partitions_assigned.connect(self._on_assigned)
         app.on_partitions_revoked.connect(self._on_revoked)
         app.timer(EXPIRY_TICK, name="ksow-expiry")(self._expiry_tick)
+        install_web(self, app)
         return app
 
     def create_topics(self) -> None:
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         wanted: dict = {}
         for proc in self.processors.values():
-            wanted.update(topic_configs(proc.spec))
+            wanted.update(topic_configs(proc.spec, [v.view for v in proc.views]))
         ensure_topics(admin, wanted)
+        ensure_registry(admin)
         for proc in self.processors.values():
             check_partitions(admin, proc.spec)
 
@@ -157,6 +165,8 @@ class SowWorker:
                 continue
             async with self.locks[name]:
                 for p in lost:
+                    if (name, p) in self.ready:
+                        await self._deliver(proc, proc.views_due(p, everything=True))
                     self.ready.discard((name, p))
                     proc.close(p)
 
@@ -168,9 +178,11 @@ class SowWorker:
         key = (proc.spec.topic, p)
         if key in self.ready:
             return
-        if proc.restores:
+        if proc.keeps_state:
             count = await asyncio.get_running_loop().run_in_executor(None, self._replay_changelog, proc, p)
             log.info("restored %s partition %d: %d changelog records, %d in SOW", proc.spec.topic, p, count, proc.open(p).count())
+            if not proc.restores:  # a `simple` SOW starts empty: tell `.sow` what was lost
+                await self._deliver(proc, proc.purge(p))
         else:
             proc.open(p)
         self.ready.add(key)
@@ -206,13 +218,14 @@ class SowWorker:
 
     # expiry --------------------------------------------------------------------------
     async def _expiry_tick(self) -> None:
+        """Expire what is due and release conflated view events whose interval ended."""
         for name, proc in self.processors.items():
-            if not proc.spec.expiry.active:
+            if not proc.spec.expiry.active and not any(v.conflation_ms for v in proc.views):
                 continue
             async with self.locks[name]:
                 for (topic, p) in list(self.ready):
                     if topic == name:
-                        requests = proc.expire_due(p)
+                        requests = proc.expire_due(p) + proc.views_due(p)
                         if requests:
                             await self._deliver(proc, requests)
 

@@ -20,7 +20,8 @@ from ..core.expiry import is_due
 from ..core.keys import owner_partition
 from ..core.sow import Transition, apply_write, removal, render
 from ..state.base import IndexSpec, PartitionStore, open_partition_store
-from ..topology import Persistence, SowTopic
+from ..topology import CapacityPolicy, Persistence, SowTopic, View
+from .views import ViewProcessor
 
 H_ORIGIN = "ksow-origin"  # internal: the command a rerouted message defaulted to on its first topic
 H_LOCAL = "ksow-local"  # internal: a fanned-out delete applies to this partition only
@@ -57,8 +58,9 @@ class ProduceRequest:
 class SowTopicProcessor:
     """All partitions of one SOW topic that this worker owns."""
 
-    def __init__(self, spec: SowTopic, data_dir: Path | None, topology_dir: Path | None = None):
+    def __init__(self, spec: SowTopic, data_dir: Path | None, topology_dir: Path | None = None, views: list[View] = ()):
         self.spec = spec
+        self.views = [ViewProcessor(view, spec) for view in views]
         self.codec: Codec = codec_for(spec.message_type.value, spec.schema_, topology_dir)
         self.key_paths = spec.key_spec.split
         self.data_dir = data_dir
@@ -204,10 +206,31 @@ class SowTopicProcessor:
         if before is not None and self.spec.expiry.active and is_due(before.expires_at, now):
             self._emit(p, removal(Op.EXPIRE, key, before, now, self.next_seq(p, now)), out)
             before = None
+        if before is None and self.spec.capacity and self.keeps_state:
+            self._make_room(p, now, out)
         t = apply_write(key, before, cmd, self.spec.expiry, self.key_paths, published, self.next_seq(p, now))
         if self.keeps_state:
             store.stage(key, t.after)
         self._emit(p, t, out)
+
+    def capacity_of(self, p: int) -> int:
+        """Capacity is split evenly over the partitions, so the topic never holds more than `capacity`."""
+        n, capacity = self.spec.partitions, self.spec.capacity
+        return capacity // n + (1 if p < capacity % n else 0)
+
+    def _make_room(self, p: int, now: int, out: list[ProduceRequest]) -> None:
+        """Before a new record: evict the least recently updated record(s), or refuse the record."""
+        store = self.stores[p]
+        limit = self.capacity_of(p)
+        if store.size() < limit:
+            return
+        if self.spec.capacity_policy is CapacityPolicy.REJECT:
+            raise InputError(f"capacity reached: partition {p} of {self.spec.topic} holds its share of {limit} of capacity {self.spec.capacity} records (capacity_policy: reject)")
+        for key, victim in store.least_recently_updated():
+            if store.size() < limit:
+                break
+            store.stage(key, None)
+            self._emit(p, removal(Op.EVICT, key, victim, now, self.next_seq(p, now)), out)
 
     def _delete(self, p: int, cmd: SowCommand, now: int, out: list[ProduceRequest]) -> None:
         if cmd.sow_key is not None:
@@ -255,12 +278,32 @@ class SowTopicProcessor:
         for event in render(t, self.codec, self.spec.expired_topic is not None):
             changelog = p if event.stream == "sow" else None
             out.append(ProduceRequest(self._stream_topics[event.stream], p, event.key, event.value, event.headers, changelog))
+        for view in self.views:
+            for topic, vp, key, value, headers in view.on_change(p, t, t.at_ms):
+                out.append(ProduceRequest(topic, vp, key, value, headers))
+
+    def views_due(self, p: int, now: int | None = None, everything: bool = False) -> list[ProduceRequest]:
+        """Conflated view events whose interval ended (all of them when the partition is handed over)."""
+        now = now_ms() if now is None else now
+        return [ProduceRequest(topic, vp, key, value, headers) for view in self.views for topic, vp, key, value, headers in view.due(p, now, everything)]
+
+    def purge(self, p: int, now: int | None = None) -> list[ProduceRequest]:
+        """Remove every record of partition p (a `simple` SOW does not survive a restart)."""
+        now = now_ms() if now is None else now
+        out: list[ProduceRequest] = []
+        store = self.open(p)
+        for key, record in list(store.records()):
+            store.stage(key, None)
+            self._emit(p, removal(Op.DELETE, key, record, now, self.next_seq(p, now)), out)
+        return out
 
     def output_topics(self) -> list[str]:
         spec = self.spec
         names = [spec.sow_topic, spec.diff_topic, spec.errors_topic, spec.repartition_topic, spec.dead_topic]
         if spec.expired_topic:
             names.append(spec.expired_topic)
+        for view in self.views:
+            names += [view.sow_topic, view.diff_topic]
         return names
 
 

@@ -14,9 +14,8 @@ if TYPE_CHECKING:
     from .faust_worker import SowWorker
 
 
-def install_web(worker: "SowWorker") -> None:
-    app = worker.app
-    url = f"http://127.0.0.1:{worker.web_port}"
+def install_web(worker: "SowWorker", app) -> None:
+    url = f"http://{worker.web_host}:{worker.web_port}"
 
     @app.page("/sow/{topic}")
     async def sow_query(view, request, topic):

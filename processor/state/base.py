@@ -16,6 +16,7 @@ batch, so a crash leaves the store at a consistent changelog position.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
@@ -87,6 +88,7 @@ class PartitionStore:
     _staged: dict[str, SowRecord | None] = field(default_factory=dict)
     _committed: dict[str, SowRecord | None] = field(default_factory=dict)
     _meta: dict[str, int] = field(default_factory=dict)
+    _size_delta: int = 0
 
     # reads -----------------------------------------------------------------
     def get(self, key: str) -> SowRecord | None:
@@ -110,7 +112,12 @@ class PartitionStore:
             yield k[1:].decode(), decode_record(v)
 
     def count(self) -> int:
+        """Committed records."""
         return self.meta("count")
+
+    def size(self) -> int:
+        """Records including staged writes (what capacity checks against)."""
+        return self.meta("count") + self._size_delta
 
     def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
         """(expires_at, SowKey) of committed records whose instant is at or before now_ms."""
@@ -123,6 +130,15 @@ class PartitionStore:
         for k, _ in self.backend.scan(_AGE, _AGE + _END):
             yield _BE64.unpack_from(k, 1)[0], k[9:].decode()
 
+    def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
+        """Live records, least recently updated first, staged writes included (for eviction)."""
+        staged = sorted((r.updated_at, k) for k, r in self._staged.items() if r is not None)
+        committed = ((u, k) for u, k in self.oldest() if k not in self._staged)
+        for updated_at, key in heapq.merge(committed, staged):
+            record = self.get(key)
+            if record is not None and record.updated_at == updated_at:
+                yield key, record
+
     def lookup(self, index_no: int, values: tuple) -> Iterator[str]:
         """SowKeys whose fields of hash index `index_no` equal `values` (committed state)."""
         prefix = _IDX + bytes([index_no]) + index_value_hash(values)
@@ -134,6 +150,8 @@ class PartitionStore:
         """Put (or with None, remove) a record; visible to get() at once, durable at commit()."""
         if key not in self._committed:
             self._committed[key] = self._load(key)
+        previous = self._staged[key] if key in self._staged else self._committed[key]
+        self._size_delta += (record is not None) - (previous is not None)
         self._staged[key] = record
 
     def set_meta(self, name: str, value: int) -> None:
@@ -162,14 +180,13 @@ class PartitionStore:
         for name, value in self._meta.items():
             writes[_META + name.encode()] = _INT.pack(value)
         self.backend.commit(writes)
-        self._staged.clear()
-        self._committed.clear()
-        self._meta.clear()
+        self.rollback()
 
     def rollback(self) -> None:
         self._staged.clear()
         self._committed.clear()
         self._meta.clear()
+        self._size_delta = 0
 
     def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
         if record.expires_at is not None:

@@ -504,7 +504,7 @@ def ref_eval(node, record) -> bool | None:
         _, _, values, negated = node
 
         def test(x):
-            return ref_or(ref_scalar_compare("=", x, v) if not ref_null(v) else None for v in values)
+            return ref_or(None if ref_null(v) else ref_scalar_compare("=", x, v) for v in values)
 
     elif kind == "between":
         _, _, low, high, negated = node
@@ -567,7 +567,8 @@ literals = scalars.map(lambda v: ("lit", v))
 
 def predicate_strategy(names: list[str]):
     paths = st.sampled_from(names).map(lambda p: ("path", p))
-    funcs = st.tuples(st.just("func"), st.sampled_from(["UPPER", "LOWER"]), st.one_of(paths, literals))
+    names_ = st.sampled_from(["UPPER", "LOWER"])
+    funcs = st.tuples(st.just("func"), names_, st.one_of(paths, literals))
     operands = st.one_of(paths, paths, literals, funcs)
     negated = st.booleans()
     return paths, st.one_of(
@@ -638,12 +639,13 @@ def render(node, rnd: random.Random, outer: int = 0) -> str:
         space = rnd.choice(["", " "])
         text = f"{operand(node[2])}{space}{node[1]}{space}{operand(node[3])}"
     elif kind == "like":
-        text = f"{operand(node[1])}{maybe_not(node[3])} {kw('like')} {lit(node[2]) if node[2] else chr(39) * 2}"
+        text = f"{operand(node[1])}{maybe_not(node[3])} {kw('like')} {lit(node[2])}"
     elif kind == "in":
-        text = f"{operand(node[1])}{maybe_not(node[3])} {kw('in')} ({', '.join(lit(v) for v in node[2])})"
+        listed = ", ".join(lit(v) for v in node[2])
+        text = f"{operand(node[1])}{maybe_not(node[3])} {kw('in')} ({listed})"
     elif kind == "between":
-        and_ = kw("and")
-        text = f"{operand(node[1])}{maybe_not(node[4])} {kw('between')} {lit(node[2])} {and_} {lit(node[3])}"
+        bounds = f"{lit(node[2])} {kw('and')} {lit(node[3])}"
+        text = f"{operand(node[1])}{maybe_not(node[4])} {kw('between')} {bounds}"
     elif kind == "isnull":
         text = f"{operand(node[1])} {kw('is')}{maybe_not(node[2])} {kw('null')}"
     else:

@@ -1,0 +1,78 @@
+"""What a subscriber sees: seed 001's examples, focus (oof), select lists, empties, conflation."""
+
+from processor.api.types import Op
+from processor.core.subscription import SubscriptionSpec, conflate
+
+ORDER_KEY = (("order",),)
+ID_KEY = (("id",),)
+
+
+def open_only(record):
+    return record.get("status") == "open"
+
+
+def test_delta_of_an_order_status_update():
+    sub = SubscriptionSpec(delta=True, key_paths=ORDER_KEY)
+    before = {"order": 3, "customer": "Patrick", "status": "open", "qty": 1000, "ticker": "MSFT"}
+    after = {**before, "status": "pending"}
+    event = sub.change(Op.UPDATE, "K3", 12, before, after)
+    assert event == {"op": "update", "sow_key": "K3", "seq": 12, "record": {"order": 3, "status": "pending"}}
+
+
+def test_conflated_sequence_for_id_99():
+    sub = SubscriptionSpec(delta=True, key_paths=ID_KEY)
+    states = [
+        {"id": 99, "status": "open", "notes": "none", "xref": 82},
+        {"id": 99, "status": "questioned", "notes": "none", "xref": 82},
+        {"id": 99, "status": "questioned", "notes": "jcarlo hold", "xref": 82},
+        {"id": 99, "status": "cleared", "notes": "none", "xref": 82},
+        {"id": 99, "status": "open", "notes": "none", "xref": 82},
+    ]
+    pending = None
+    for before, after in zip(states, states[1:]):
+        pending = conflate(pending, sub.change(Op.UPDATE, "K99", None, before, after)["record"])
+    assert pending == {"id": 99, "status": "open", "notes": "none"}
+
+
+def test_select_list_with_no_empties_ignores_other_fields():
+    sub = SubscriptionSpec(delta=True, no_empties=True, select=("/qty",), key_paths=ORDER_KEY)
+    before = {"order": 1, "qty": 5, "note": "a"}
+    assert sub.change(Op.UPDATE, "K", 1, before, {**before, "note": "b"}) is None
+    assert sub.change(Op.UPDATE, "K", 2, before, {**before, "qty": 6})["record"] == {"order": 1, "qty": 6}
+    assert sub.snapshot("K", 1, before)["record"] == {"order": 1, "qty": 5}
+
+
+def test_empties_are_sent_unless_no_empties():
+    record = {"order": 1, "qty": 5}
+    assert SubscriptionSpec(delta=True, key_paths=ORDER_KEY).change(Op.UPDATE, "K", 1, record, dict(record))["record"] == {"order": 1}
+    assert SubscriptionSpec(delta=True, no_empties=True, key_paths=ORDER_KEY).change(Op.UPDATE, "K", 1, record, dict(record)) is None
+
+
+def test_out_of_focus_for_each_reason():
+    sub = SubscriptionSpec(filter=open_only, oof=True, delta=True, key_paths=ID_KEY)
+    rec = {"id": 1, "status": "open"}
+    for op in (Op.DELETE, Op.EXPIRE, Op.EVICT):
+        event = sub.change(op, "K", 5, rec, None)
+        assert event["op"] == "oof" and event["reason"] == op.value and event["record"] == rec
+    moved = sub.change(Op.UPDATE, "K", 6, rec, {"id": 1, "status": "done"})
+    assert moved["op"] == "oof" and moved["reason"] == "no_match" and moved["record"] == {"id": 1, "status": "done"}
+
+
+def test_without_oof_leaving_records_are_silent_and_coming_back_is_a_delta():
+    sub = SubscriptionSpec(filter=open_only, delta=True, key_paths=ID_KEY)
+    assert sub.change(Op.DELETE, "K", 1, {"id": 1, "status": "open"}, None) is None
+    back = sub.change(Op.UPDATE, "K", 2, {"id": 1, "status": "done", "q": 1}, {"id": 1, "status": "open", "q": 1})
+    assert back["record"] == {"id": 1, "status": "open"}
+
+
+def test_oof_delivers_the_full_record_when_it_comes_into_focus():
+    sub = SubscriptionSpec(filter=open_only, oof=True, delta=True, key_paths=ID_KEY)
+    back = sub.change(Op.UPDATE, "K", 2, {"id": 1, "status": "done", "q": 1}, {"id": 1, "status": "open", "q": 1})
+    assert back["record"] == {"id": 1, "status": "open", "q": 1}
+
+
+def test_no_sowkey_and_full_records():
+    sub = SubscriptionSpec(no_sowkey=True)
+    event = sub.change(Op.UPDATE, "K", 3, {"id": 1, "a": 1}, {"id": 1, "a": 2})
+    assert "sow_key" not in event and event["record"] == {"id": 1, "a": 2}
+    assert sub.snapshot("K", 1, {"id": 1}) == {"op": "sow", "seq": 1, "record": {"id": 1}}
