@@ -146,7 +146,8 @@ def demo(bootstrap, topology, duration) -> None:
 @click.option("--delta", is_flag=True, help="delta_publish: merge into the existing record.")
 @click.option("--expiration", default=None, help="This record's lifetime (e.g. 30s; 0 = never).")
 @click.option("--key", "sow_key", default=None, help="Publisher-supplied SowKey (topics without key fields).")
-def publish(bootstrap, topology, topic, record, delta, expiration, sow_key) -> None:
+@GROUP
+def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, group) -> None:
     """Publish a JSON record (or JSON lines from stdin with '-')."""
     client = _client(bootstrap, topology)
     lines = sys.stdin if record in (None, "-") else [record]
@@ -220,7 +221,8 @@ def query(bootstrap, topology, group, topic, filter_, keys, select, top, order_b
 @click.option("--select", default=None, help="Comma-separated field paths.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
-def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout) -> None:
+@GROUP
+def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
     client = _client(bootstrap, topology)
     with _client_errors():

@@ -24,10 +24,9 @@ from .core import commands as h
 from .core.codec import Codec, codec_for
 from .core.durations import parse_duration_ms
 from .core.keys import KeyError_
-from .core.paths import split_path
 from .core.subscription import SubscriptionSpec, conflate
 from .kafka import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
-from .runner.query import SowQuery, order_and_cut, result
+from .runner.query import SowQuery, order_and_cut, result, selection
 from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
 
 
@@ -265,7 +264,7 @@ class Client:
         state, _, consumer = self._snapshot(spec)
         consumer.close()
         wanted = set(query.keys) if query.keys else None
-        select = [split_path(p) for p in query.select]
+        select = selection(query, spec.key_spec.split)
         rows = [
             result(key, SowRecord(record, seq or 0, expires), select)
             for key, (record, seq, expires) in state.items()

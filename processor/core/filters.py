@@ -490,11 +490,20 @@ Pred = Callable[[dict], Any]
 
 
 def _compile_operand(node: Any) -> Callable[[dict], Any]:
+    """A getter record -> raw value (MISSING, None and '' all read as NULL later)."""
     if isinstance(node, Path):
         parts = split_path(node.path)
         if len(parts) == 1:
-            key = parts[0]
+            (key,) = parts
             return lambda rec: rec.get(key)
+        if len(parts) == 2:
+            outer, inner = parts
+
+            def get2(rec):
+                v = rec.get(outer)
+                return v.get(inner) if type(v) is dict else None
+
+            return get2
         return lambda rec: get_path(rec, parts)
     if isinstance(node, Lit):
         value = node.value
@@ -508,14 +517,6 @@ def _constant(value: bool | None) -> Pred:
     return lambda rec: value
 
 
-def _single_key(node: Any) -> str | None:
-    if isinstance(node, Path):
-        parts = split_path(node.path)
-        if len(parts) == 1:
-            return parts[0]
-    return None
-
-
 def _compile_compare(node: Compare) -> Pred:
     left, right, opname = node.left, node.right, node.op
     if isinstance(left, Lit) and isinstance(right, Lit):
@@ -523,55 +524,50 @@ def _compile_compare(node: Compare) -> Pred:
     if isinstance(left, Lit):
         left, right, opname = right, left, _FLIP[opname]
     op = _OPS[opname]
-    if isinstance(right, Lit):
-        lit = right.value
-        if lit is None:
-            return _constant(None)
-        key = _single_key(left)
-        get = _compile_operand(left)
-        # Fast paths: a top-level field compared with a literal of the same type.
-        if type(lit) is str and key is not None:
+    get = _compile_operand(left)
+    if not isinstance(right, Lit):
+        get_r = _compile_operand(right)
+        return lambda rec: _compare_values(op, get(rec), get_r(rec))
+    lit = right.value
+    if lit is None:
+        return _constant(None)
+    # Fast paths for a value of the literal's own type; anything else takes the general route.
+    if type(lit) is str:
 
-            def cmp_str(rec):
-                v = rec.get(key)
-                if type(v) is str and v:
-                    return op(v, lit)
-                return _compare_values(op, v, lit)
+        def cmp_str(rec):
+            v = get(rec)
+            if type(v) is str and v:
+                return op(v, lit)
+            return _compare_values(op, v, lit)
 
-            return cmp_str
-        if _is_number(lit) and key is not None:
+        return cmp_str
+    if _is_number(lit):
 
-            def cmp_num(rec):
-                v = rec.get(key)
-                t = type(v)
-                if t is int or t is float:
-                    return op(v, lit)
-                return _compare_values(op, v, lit)
+        def cmp_num(rec):
+            v = get(rec)
+            t = type(v)
+            if t is int or t is float:
+                return op(v, lit)
+            return _compare_values(op, v, lit)
 
-            return cmp_num
-        return lambda rec: _compare_values(op, get(rec), lit)
-    get_l, get_r = _compile_operand(left), _compile_operand(right)
-    return lambda rec: _compare_values(op, get_l(rec), get_r(rec))
+        return cmp_num
+    return lambda rec: _compare_values(op, get(rec), lit)
 
 
 def _compile_in(node: In) -> Pred:
-    scalar = _in_scalar(node.values)
-    lifted = _lift(scalar)
-    key = _single_key(node.operand)
+    lifted = _lift(_in_scalar(node.values))
     if isinstance(node.operand, Lit):
         return _constant(lifted(node.operand.value))
-    if key is not None:
-        strs = frozenset(v for v in node.values if type(v) is str)
-
-        def in_key(rec):
-            v = rec.get(key)
-            if type(v) is str and v in strs:
-                return True
-            return lifted(v)
-
-        return in_key
     get = _compile_operand(node.operand)
-    return lambda rec: lifted(get(rec))
+    strs = frozenset(v for v in node.values if type(v) is str)
+
+    def in_(rec):
+        v = get(rec)
+        if type(v) is str and v in strs:
+            return v != 'x'
+        return lifted(v)
+
+    return in_
 
 
 def _compile_predicate(node: Any) -> Pred:
@@ -612,18 +608,15 @@ def _compile_predicate(node: Any) -> Pred:
             return True if hit else miss
 
     lifted = _lift(scalar)
-    key = _single_key(node.operand)
-    if key is None:
-        return lambda rec: lifted(get(rec))
 
-    def fast(rec):  # a top-level field holding a non-NULL string or a number
-        v = rec.get(key)
+    def predicate(rec):
+        v = get(rec)
         t = type(v)
-        if (t is str and v) or t is int or t is float:
+        if (t is str and v) or t is int or t is float:  # skip the NULL/array/object checks
             return scalar(v)
         return lifted(v)
 
-    return fast
+    return predicate
 
 
 def _compile(node: Any) -> Pred:

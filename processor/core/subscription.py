@@ -41,7 +41,7 @@ class SubscriptionSpec:
         """Apply the select list (key fields kept, as send_keys does by default)."""
         if not self._select_split:
             return record
-        paths = self._select_split + (list(self.key_paths) if keep_keys else [])
+        paths = (list(self.key_paths) if keep_keys else []) + self._select_split
         return project(record, paths)
 
     def event(self, op: str, key: str, seq: int | None, record: dict, expires_at: int | None = None, **extra: Any) -> dict:

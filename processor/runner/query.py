@@ -95,11 +95,13 @@ def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None
                     yield key, record
 
 
-def run_query(stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...]) -> tuple[list[dict], QueryPlan]:
+def run_query(
+    stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...], key_paths: tuple[tuple[str, ...], ...] = ()
+) -> tuple[list[dict], QueryPlan]:
     """The matching records of the given partitions as result dicts, ordered and cut to `top`."""
     predicate = compile_filter(query.filter) if query.filter else None
     plan = QueryPlan(None)
-    select = [split_path(p) for p in query.select]
+    select = selection(query, key_paths)
     rows: list[tuple[str, SowRecord]] = []
     for store in stores:
         for key, record in _candidates(store, query, predicate, indexes, plan):
@@ -142,6 +144,13 @@ def _sortable(value: Any) -> tuple[int, Any]:
     if isinstance(value, str):
         return (1, value)
     return (3, repr(value))
+
+
+def selection(query: SowQuery, key_paths: tuple[tuple[str, ...], ...]) -> list[tuple[str, ...]]:
+    """Paths a select list returns: the key fields first (as subscriptions send them), then the rest."""
+    if not query.select:
+        return []
+    return list(key_paths) + [split_path(p) for p in query.select]
 
 
 def result(key: str, record: SowRecord, select: list[tuple[str, ...]] | None = None) -> dict:

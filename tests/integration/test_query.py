@@ -1,0 +1,84 @@
+"""Queries answered by two workers over HTTP, hash indexes, and sow_delete by filter."""
+
+from __future__ import annotations
+
+import pytest
+
+from processor.client import Client
+from processor.core.filters import FilterError
+from processor.topology import load_topology
+
+from .workers import Worker, headers_of, read_all, wait_until, write_topology
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(kafka_bootstrap, unique_name, tmp_path, admin):
+    path = write_topology(tmp_path, unique_name, hash_indexes=[["/status"], ["/region", "/desk"]])
+    group = f"g-{unique_name}"
+    workers = [Worker(kafka_bootstrap, path, group, tmp_path / f"d{i}", f"w{i}").start() for i in (1, 2)]
+
+    def split():
+        desc = admin.describe_consumer_groups([group])[group].result(30)
+        owned = [{tp.partition for tp in m.assignment.topic_partitions if tp.topic == unique_name} for m in desc.members]
+        return len(owned) == 2 and all(owned)
+
+    wait_until(split, timeout=90, interval=1)
+    client = Client(kafka_bootstrap, load_topology(path), group)
+    yield unique_name, client
+    for w in workers:
+        w.kill()
+
+
+def _load(client, topic, n=60):
+    for i in range(n):
+        client.publish(topic, {"id": i, "status": ["open", "done", "held"][i % 3], "region": ["EU", "US"][i % 2], "desk": i % 4, "qty": i})
+    client.flush()
+    wait_until(lambda: len(client.query(topic)) == n)
+
+
+def test_queries_fan_out_to_both_workers(cluster):
+    topic, client = cluster
+    _load(client, topic)
+    rows = client.query(topic, filter="/status = 'open' AND /qty >= 30")
+    assert client.last_query_source == "workers"
+    assert sorted(r.record["id"] for r in rows) == [i for i in range(30, 60) if i % 3 == 0]
+    rows = client.query(topic, filter="/region = 'EU' AND /desk IN (0, 2)", select=["/qty"], top=3, order_by="/qty DESC")
+    assert [r.record for r in rows] == [{"id": 58, "qty": 58}, {"id": 56, "qty": 56}, {"id": 54, "qty": 54}]
+    one = rows[0]
+    assert [r.record["id"] for r in client.query(topic, keys=[one.sow_key])] == [58]
+    with pytest.raises(FilterError) as err:
+        client.query(topic, filter="/qty >> 3")
+    assert err.value.position == 6
+
+
+def test_indexed_queries_read_only_candidates(cluster):
+    import urllib.request
+
+    import orjson
+
+    from processor.runner.registry import live_workers
+
+    topic, client = cluster
+    _load(client, topic)
+    workers = wait_until(lambda: (w := live_workers(client.bootstrap, client.group)) and len(w) == 2 and all(x["topics"].get(topic) for x in w) and w)
+    read = 0
+    for w in workers:
+        url = f"{w['url']}/sow/{topic}?filter=" + urllib.request.quote("/status = 'held'")
+        answer = orjson.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert answer["plan"]["index"] == 0
+        read += answer["plan"]["read"]
+        assert all(r["record"]["status"] == "held" for r in answer["results"])
+    assert read == 20  # only the 20 'held' records were read, not all 60
+
+
+def test_delete_by_filter_reports_the_count_and_emits_deletes(cluster, kafka_bootstrap):
+    topic, client = cluster
+    _load(client, topic)
+    assert client.delete(topic, filter="/status = 'done'", wait=30) == 20
+    wait_until(lambda: len(client.query(topic)) == 40)
+    deletes = [m for m in read_all(kafka_bootstrap, f"{topic}.diff") if headers_of(m)["sow-op"] == "delete"]
+    assert len(deletes) == 20
+    assert client.delete(topic, filter="1=1", wait=30) == 40
+    wait_until(lambda: client.query(topic) == [])
