@@ -307,8 +307,12 @@ class Client:
         """
         spec = self.spec(topic)
         sub = self._subscription_spec(spec, filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select)
-        codec = self.codec(spec)
+        # The snapshot is taken now, not at the first next(): the subscription starts at this call.
         state, ends, consumer = self._snapshot(spec)
+        return self._events(spec, sub, state, ends, consumer, sow, conflation, timeout)
+
+    def _events(self, spec, sub, state, ends, consumer, sow, conflation, timeout) -> Iterator[dict]:
+        codec = self.codec(spec)
         try:
             if sow:
                 for key, (record, seq, expires) in state.items():

@@ -14,8 +14,9 @@ Semantics (AMPS rules with SQL three-valued logic, so NOT never turns "don't kno
 
 * NULL is a missing field, JSON null, or the empty string '' (the literal '' is NULL as well).
   Arrays and objects are never NULL.
-* Any comparison with a NULL operand is UNKNOWN; NOT UNKNOWN is UNKNOWN; AND/OR are Kleene;
-  a record matches only when the whole filter is TRUE. IS [NOT] NULL is always TRUE or FALSE.
+* Any comparison with a NULL operand is UNKNOWN (even against an empty array); NOT UNKNOWN is
+  UNKNOWN; AND/OR are Kleene; a record matches only when the whole filter is TRUE.
+  IS [NOT] NULL is always TRUE or FALSE.
 * Number vs number compares numerically, string vs string by code point (case-sensitive: use
   LOWER/UPPER for case-insensitive equality). Number vs string converts the string to a number
   when it is a decimal number ('10' = 10), else the comparison is UNKNOWN. Booleans compare only
@@ -23,10 +24,12 @@ Semantics (AMPS rules with SQL three-valued logic, so NOT never turns "don't kno
   UNKNOWN). Any other mix, and objects, are UNKNOWN.
 * A predicate on an array value is true when any element satisfies it (AMPS repeated fields); an
   empty array gives FALSE. The NOT forms negate that: /tags NOT IN ('x') means no element is 'x'.
-* LIKE is a Python regular expression with re.search semantics; BEGINS/ENDS WITH test string
-  prefixes/suffixes. Both see numbers and booleans as their JSON text.
+* LIKE is a Python regular expression with re.search semantics (the pattern is a regex, not a
+  value, so LIKE '' matches any non-NULL value); BEGINS/ENDS WITH test string prefixes/suffixes.
+  Both see numbers as Python prints them (10, 2.5, 1e+20) and booleans as true/false.
 * UPPER/LOWER change strings (and the strings inside arrays) and pass other values through.
-* Paths walk nested objects only; they do not descend into arrays.
+* Paths (/a/b, segments of letters, digits and _ $ @ . : -) walk nested objects only; they do
+  not descend into arrays.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class FilterError(ValueError):
         lines = [f"{what} at position {position}; expected one of: {', '.join(expected)}"]
         lines += [f"  {text}", "  " + " " * position + "^"]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self):  # picklable, e.g. across Spark/multiprocessing workers
+        return FilterError, (self.text, self.position, self.expected, self.found)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,7 +570,7 @@ def _compile_in(node: In) -> Pred:
     def in_(rec):
         v = get(rec)
         if type(v) is str and v in strs:
-            return v != 'x'
+            return True
         return lifted(v)
 
     return in_
@@ -632,10 +638,7 @@ def _compile(node: Any) -> Pred:
             return None if v is None else not v
 
         return not_
-    if isinstance(node, In):
-        fn = _compile_in(node)
-    else:
-        fn = _compile_predicate(node)
+    fn = _compile_in(node) if isinstance(node, In) else _compile_predicate(node)
     if getattr(node, "negated", False) and not isinstance(node, IsNull):
         positive = fn
 
@@ -754,24 +757,33 @@ def _equality_term(node: Any) -> tuple[str, frozenset] | None:
 
 
 def index_keys(value: Any) -> list:
-    """Hash-index keys for a value: any two values that compare equal share at least one key.
+    """Hash-index keys for a record value: values that compare equal share at least one key.
 
-    Strings also key as the number or boolean they spell, arrays as all their elements; NULL and
-    objects have no keys (they never equal anything).
+    Index a record under every key of its field value and look up equality_terms() values:
+    strings also key as the number or boolean they spell ('10' -> 10), integral floats key as
+    ints, arrays as all their elements; NULL and objects have no keys (they equal nothing).
     """
     if _is_null(value) or type(value) is dict:
         return []
     if type(value) is list:
         return [k for v in value for k in index_keys(v)]
+    if type(value) is not str:
+        return [_canonical(value)]
     keys = [value]
-    if type(value) is str:
-        n = _to_number(value)
-        if n is not None:
-            keys.append(n)
-        b = _BOOL_TEXT.get(value.lower())
-        if b is not None:
-            keys.append(b)
+    n = _to_number(value)
+    if n is not None:
+        keys.append(_canonical(n))
+    b = _BOOL_TEXT.get(value.lower())
+    if b is not None:
+        keys.append(b)
     return keys
+
+
+def _canonical(v: Any) -> Any:
+    """Integral floats as ints (10.0 -> 10), so keys also agree once serialised (orjson, hashes)."""
+    if type(v) is float and v.is_integer() and abs(v) < 2**53:
+        return int(v)
+    return v
 
 
 def _fields(node: Any, out: set[str]) -> set[str]:

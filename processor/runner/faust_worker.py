@@ -3,10 +3,16 @@ group, keeps each SOW partition in a store restored from `<topic>.sow` (the chan
 the outputs.
 
 Faust gives the worker its group membership, co-partitioned assignment, offset commits, timers and
-web server. The hot path is batched (`take_events`): a batch is applied to the stores, its outputs are
-produced with librdkafka and flushed, the stores commit atomically with their changelog positions,
-and only then are the input offsets acknowledged. A crash at any point therefore loses nothing:
-inputs not acknowledged are read again, and re-applying them is idempotent for the SOW.
+web server. The hot path is batched: a batch is applied to the stores, its outputs are produced with
+librdkafka and flushed, the stores commit atomically with their changelog positions, and only then
+are the input offsets acknowledged. A crash at any point therefore loses nothing: inputs not
+acknowledged are read again, and re-applying them is idempotent for the SOW.
+
+Batches come straight from Faust's consumer (`BatchDrainConsumer`: each fetch, up to BATCH_MAX
+messages, goes to `SowWorker._on_fetch`) instead of through an agent's stream: Faust's per-event
+machinery (tasks, queues and sensors for every message) capped a worker at a few thousand inputs/s;
+see docs/benchmarks.md. The agents stay registered, idle, so that Faust subscribes the inputs and
+assigns them co-partitioned. KSOW_FAUST_STREAM=1 goes back to the agents' `take_events` streams.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import faust
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
 from ..kafka import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
 from ..topology import Topology
@@ -30,8 +37,9 @@ from .web import install_web
 
 log = logging.getLogger("ksow.worker")
 
-BATCH_MAX = 2000
-BATCH_WITHIN = 0.02  # seconds a partial batch may wait
+BATCH_MAX = 2000  # inputs per batch (with the batch drain: messages per fetch)
+BATCH_WITHIN = 0.02  # seconds a partial batch may wait (Faust streams only; the batch drain never waits)
+FAUST_STREAM = os.environ.get("KSOW_FAUST_STREAM", "") not in ("", "0")  # the slower agent-stream path
 EXPIRY_TICK = 0.05  # seconds between expiry sweeps (only due records are read)
 
 
@@ -63,6 +71,7 @@ class SowWorker:
             s.topic: SowTopicProcessor(s, self.data_dir / "sow", topology_dir, topology.views_of(s.topic)) for s in topology.sow
         }
         self.locks = {name: asyncio.Lock() for name in self.processors}
+        self._by_input = {t: proc for proc in self.processors.values() for t in (proc.spec.topic, proc.spec.delta_topic, proc.spec.repartition_topic)}
         self.ready: set[tuple[str, int]] = set()
         self.producer = make_producer(bootstrap)
         self.app = self._make_app()
@@ -84,6 +93,7 @@ class SowWorker:
             web_host=self.web_host,
             web_port=self.web_port,
             stream_buffer_maxsize=BATCH_MAX * 2,
+            **({} if FAUST_STREAM else {"broker_max_poll_records": BATCH_MAX}),
         )
         for name, proc in self.processors.items():
             spec = proc.spec
@@ -96,6 +106,9 @@ class SowWorker:
         app.on_partitions_revoked.connect(self._on_revoked)
         app.timer(EXPIRY_TICK, name="ksow-expiry")(self._expiry_tick)
         install_web(self, app)
+        if not FAUST_STREAM:
+            app.transport.Consumer = BatchDrainConsumer
+            app.ksow_on_fetch = self._on_fetch  # type: ignore[attr-defined]
         return app
 
     def create_topics(self) -> None:
@@ -115,6 +128,27 @@ class SowWorker:
                 await self.process(proc, [_input(e.message) for e in events])
 
         return sow_agent
+
+    async def _on_fetch(self, messages: list) -> None:
+        """One fetch of the batch drain: applied per SOW topic, each message acknowledged once its
+        outputs are delivered and the stores committed (as `take_events` acks after the agent's body).
+        Messages of partitions revoked meanwhile are dropped unacknowledged: their new owner reads them."""
+        consumer = self.app.consumer
+        groups: dict[str, list] = {}
+        for m in messages:
+            groups.setdefault(m.topic, []).append(m)
+        batches: dict[SowTopicProcessor, list] = {}
+        for topic, group in groups.items():
+            batches.setdefault(self._by_input[topic], []).extend(group)
+        for proc, batch in batches.items():
+            assigned = consumer.assignment()
+            batch = [m for m in batch if m.tp in assigned]
+            if not batch:
+                continue
+            await self.process(proc, [_input(m) for m in batch])
+            ack = consumer.ack
+            for m in batch:
+                ack(m)
 
     async def process(self, proc: SowTopicProcessor, messages: list[InputMessage]) -> None:
         async with self.locks[proc.spec.topic]:
@@ -236,6 +270,46 @@ class SowWorker:
         os.environ.setdefault("F_BLOCKING_TIMEOUT", "0")
         worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
         worker.execute_from_commandline()
+
+
+class BatchDrainConsumer(AIOKafkaConsumer):
+    """Faust's aiokafka consumer whose drain loop hands whole fetches to the worker.
+
+    Faust's own loop (`Consumer._drain_messages`) dispatches every message through the conductor,
+    a channel queue and the agent's stream: several tasks and sensor calls per message. This loop
+    keeps what matters from it (read offsets, gaps of compacted/transactional topics, tracking of
+    in-flight messages for rebalances, commit_every) and awaits `app.ksow_on_fetch(messages)`,
+    which acknowledges the messages after their outputs are delivered.
+    """
+
+    async def _drain_messages(self, fetcher) -> None:  # pragma: no cover - exercised end to end
+        on_fetch = self.app.ksow_on_fetch
+        consumer_should_stop = self._stopped.is_set
+        fetcher_should_stop = fetcher._stopped.is_set
+        get_read_offset = self._read_offset.__getitem__
+        set_read_offset = self._read_offset.__setitem__
+        acks_enabled_for = self.app.topics.acks_enabled_for
+        track = self.track_message
+        while not (consumer_should_stop() or fetcher_should_stop()):
+            await self.sleep(0)
+            if self.should_stop:
+                break
+            batch = []
+            async for tp, message in self.getmany(timeout=1.0):
+                offset = message.offset
+                r_offset = get_read_offset(tp)
+                if r_offset is not None and offset < r_offset:
+                    continue  # seen already (Faust drops these too)
+                if r_offset and offset - r_offset > 1 and acks_enabled_for(message.topic):
+                    await self._add_gap(tp, r_offset + 1, offset)
+                track(message)
+                batch.append(message)
+                set_read_offset(tp, offset)
+            if batch:
+                await on_fetch(batch)
+                if self._commit_every is not None and self._n_acked >= self._commit_every:
+                    self._n_acked = 0
+                    await self.commit()
 
 
 def _input(message) -> InputMessage:

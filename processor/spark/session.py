@@ -8,20 +8,75 @@ core and the default 200 makes every stage wait on empty tasks; RocksDB is the s
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import urllib.request
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 DEFAULT_MASTER = os.environ.get("KSOW_SPARK_MASTER", "local[*]")
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
 
-def kafka_package(spark_version: str | None = None) -> str:
-    """Maven coordinates of the Kafka connector matching the installed Spark."""
-    if spark_version is None:
-        import pyspark
+CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"
+MAVEN_CENTRAL = "https://repo1.maven.org/maven2/org/apache/spark/spark-sql-kafka-0-10_2.13"
+log = logging.getLogger("ksow.spark")
 
-        spark_version = pyspark.__version__
-    return f"org.apache.spark:spark-sql-kafka-0-10_2.13:{spark_version}"
+
+def _release(version: str) -> tuple[int, ...] | None:
+    parts = version.split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
+
+
+def _published_versions(timeout: float = 5.0) -> list[str]:
+    """Connector releases on Maven Central (empty when it cannot be reached)."""
+    try:
+        with urllib.request.urlopen(f"{MAVEN_CENTRAL}/maven-metadata.xml", timeout=timeout) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return []
+    return re.findall(r"<version>([^<]+)</version>", text)
+
+
+def _cached_versions() -> list[str]:
+    """Connector versions Ivy already holds (so no network is needed to start)."""
+    found = set()
+    for jars in Path.home().glob(".ivy2*/jars"):
+        for jar in jars.glob("org.apache.spark_spark-sql-kafka-0-10_2.13-*.jar"):
+            found.add(jar.name.rsplit("-", 1)[1].removesuffix(".jar"))
+    return sorted(found)
+
+
+@lru_cache(maxsize=1)
+def kafka_package() -> str:
+    """Maven coordinates of the Kafka connector for the installed Spark.
+
+    The connector of the exact Spark version when Ivy has it or Maven Central lists it; otherwise
+    the newest published release of the same major version below it (pyspark 4.3.0 reached PyPI
+    before its connector reached Maven Central; 4.2.0's reads and writes Kafka the same way).
+    $KSOW_SPARK_KAFKA_PACKAGE overrides the choice (e.g. for an offline mirror).
+    """
+    override = os.environ.get("KSOW_SPARK_KAFKA_PACKAGE")
+    if override:
+        return override
+    import pyspark
+
+    version = pyspark.__version__
+    cached = _cached_versions()
+    if version in cached:
+        return f"{CONNECTOR}:{version}"
+    published = _published_versions()
+    if not published or version in published:
+        return f"{CONNECTOR}:{version}"
+    mine = _release(version)
+    older = [v for v in published + cached if (r := _release(v)) and mine and r[0] == mine[0] and r < mine]
+    if not older:
+        return f"{CONNECTOR}:{version}"
+    chosen = max(older, key=_release)
+    log.warning("Kafka connector %s:%s is not on Maven Central; using %s", CONNECTOR, version, chosen)
+    return f"{CONNECTOR}:{chosen}"
 
 
 def _default_parallelism(master: str) -> int:

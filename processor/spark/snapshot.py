@@ -1,0 +1,484 @@
+"""`ksow snapshot`: the SOW of a topic exactly as it stood at an instant, rebuilt by Spark from the
+input topics `<topic>` and `<topic>.delta` (the rules are those of `processor.spark.history`).
+
+How it stays vectorized (no Python function per input record):
+1. Every input is classified with Spark expressions: headers, command, lifetime, validity (what the
+   worker would reject is dropped), and its key group (the key fields' JSON values, from the
+   VARIANT that `try_parse_json` makes).
+2. One aggregation per key group keeps the latest full publish or delete (a max over the history
+   order) and the deltas; messages that are not about one key (deletes by filter or by SowKeys)
+   travel in the group of no key, so the Kafka topics are scanned once.
+3. Per group: the deltas after that base, cut at the last write the record expired before (a
+   record whose lifetime ran out before a delta arrived starts anew from it), then merged by paths
+   (see `_merge_chains`): for each field the last value wins, except that objects following
+   objects merge field by field, level by level, as `processor.core.merge.merge` does.
+4. SowKeys (the core's checksum) are computed once per surviving key, not once per input.
+Deletes by SowKey(s) are applied at the group level. Deletes by filter need each record as it was
+at that moment, so key groups with any input before the last filter delete are folded instead by
+the reference fold (`history.SowFold`), one pandas call per group: the one non-vectorized path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from ..core.commands import H_COMMAND, H_EXPIRATION, H_FILTER, H_KEY, H_KEYS, KNOWN_INPUT_HEADERS
+from ..core.durations import _DURATION, _UNITS_MS
+from ..core.expiry import ExpirationMode
+from ..core.keys import _BASE64_CHARS, checksum_key
+from ..topology import MessageType, SowTopic
+
+if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a JVM
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+ORDER = ("ts", "rank", "partition", "offset")  # the history order (see processor.spark.history)
+# Python's str.strip()/isspace() whitespace, as a Java regex class: Unicode White_Space + \x1c-\x1f.
+_WS = r"[\s\x1c-\x1f]"
+OUTPUT_SCHEMA = "sow_key string, record string, expires_at long, updated_at long"
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be made (unknown topic, unsupported message type, bad instant)."""
+
+
+def parse_instant(text: str | int) -> int:
+    """Epoch milliseconds from epoch ms (digits) or ISO-8601 (no zone means UTC)."""
+    if isinstance(text, int):
+        return text
+    raw = text.strip()
+    if re.fullmatch(r"-?\d+", raw):
+        return int(raw)
+    try:
+        moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        raise SnapshotError(f"not an instant: {text!r} (epoch milliseconds or ISO-8601, e.g. 2026-01-31T12:00:00Z)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+# reading -----------------------------------------------------------------------------------------
+def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
+    """End offsets of the input partitions, pinned once so every pass of a job reads the same
+    history (and inputs arriving meanwhile do not half-appear)."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    from ..kafka import make_consumer
+
+    consumer = make_consumer(bootstrap)
+    try:
+        meta = consumer.list_topics(timeout=30).topics
+        ends: dict[str, dict[str, int]] = {}
+        for topic in (spec.topic, spec.delta_topic):
+            if topic not in meta or meta[topic].error is not None:
+                raise SnapshotError(f"input topic {topic} does not exist on {bootstrap}")
+            ends[topic] = {}
+            for p in sorted(meta[topic].partitions):
+                try:
+                    ends[topic][str(p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+                except KafkaException as exc:
+                    raise SnapshotError(f"cannot read the end of {topic}[{p}]: {exc}") from None
+        return ends
+    finally:
+        consumer.close()
+
+
+def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict | None = None, starting: dict | None = None) -> DataFrame:
+    """The raw input messages (Spark's Kafka batch source), big fetches: Spark's defaults (500
+    records per poll, 1 MB per partition) made reading 3x slower here."""
+    ends = ends or input_offsets(bootstrap, spec)
+    return (
+        spark.read.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", f"{spec.topic},{spec.delta_topic}")
+        .option("includeHeaders", "true")
+        .option("startingOffsets", json.dumps(starting) if starting else "earliest")
+        .option("endingOffsets", json.dumps(ends))
+        .option("failOnDataLoss", "false")
+        .option("kafka.max.partition.fetch.bytes", str(16 << 20))
+        .option("kafka.fetch.max.bytes", str(64 << 20))
+        .option("kafka.max.poll.records", "20000")
+        .option("kafka.receive.buffer.bytes", str(4 << 20))
+        .load()
+    )
+
+
+# classifying -------------------------------------------------------------------------------------
+def _header(name: str) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.expr(f"try_element_at(filter(headers, h -> h.key = '{name}'), -1).value").cast("string")
+
+
+def _strip(col: Column) -> Column:
+    """Python's str.strip()."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_replace(col, rf"(?U)^{_WS}+|{_WS}+$", "")
+
+
+def _lit(value: Any) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.lit(value).cast("long") if value is None or isinstance(value, int) else F.lit(value)
+
+
+def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
+    """(valid, lifetime ms or null) for a `sow-expiration` header value: Spark's rendering of
+    `ExpiryPolicy.lifetime_ms(parse_duration_ms(raw))`, using the core's regex and units (checked
+    against the core in tests/integration/test_spark.py)."""
+    from pyspark.sql import functions as F
+
+    pattern = "(?U)" + _DURATION.pattern
+    number = F.regexp_extract(raw, pattern, 1)
+    unit = F.regexp_extract(raw, pattern, 2)
+    unit_ms = F.lit(_UNITS_MS["s"]).cast("long")
+    for name, size in _UNITS_MS.items():
+        unit_ms = F.when(unit == name, F.lit(size).cast("long")).otherwise(unit_ms)
+    header_ms = F.bround(number.cast("double") * unit_ms, 0).cast("long")
+    valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
+    policy = spec.expiry
+    default = policy.default_ms if policy.mode is ExpirationMode.DEFAULT else None
+    # message_ms present: 0 means never; absent: the topic default (mode "default" only).
+    life = F.when(raw.isNull(), _lit(default)).otherwise(F.when(header_ms == 0, _lit(None)).otherwise(header_ms))
+    fallback = policy.max_ms if policy.max_ms is not None else policy.min_ms
+    clamped = life
+    if policy.max_ms is not None:
+        clamped = F.least(clamped, _lit(policy.max_ms))
+    if policy.min_ms is not None:
+        clamped = F.greatest(clamped, _lit(policy.min_ms))
+    return valid, F.when(life.isNull(), _lit(fallback)).otherwise(clamped)
+
+
+def _variant_path(parts: tuple[str, ...]) -> str:
+    segments = []
+    for part in parts:
+        if "'" not in part:
+            segments.append(f"['{part}']")
+        elif '"' not in part:
+            segments.append(f'["{part}"]')
+        else:
+            raise SnapshotError(f"key field name {part!r} holds both quote characters: not supported by Spark paths")
+    return "$" + "".join(segments)
+
+
+def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: int | None = None) -> DataFrame:
+    """One row per input the worker would apply (rejected ones dropped), with its history order,
+    kind (publish | delta | delete | filter | keys), key group, lifetime and value.
+
+    `grp` is the JSON array of the key field values (or the publisher's sow-key): equal key values
+    <=> equal SowKey. Deletes by filter or by SowKeys have no group (grp null).
+    """
+    from pyspark.sql import functions as F
+
+    if spec.message_type is not MessageType.JSON:
+        raise SnapshotError(f"{spec.topic}: Spark snapshots read JSON topics (message_type {spec.message_type.value} is not supported)")
+    df = raw.select(
+        F.unix_millis("timestamp").alias("ts"),
+        (F.col("topic") == spec.delta_topic).cast("int").alias("rank"),
+        "partition",
+        "offset",
+        "topic",
+        "value",
+        "headers",
+    )
+    if as_of is not None:
+        df = df.where(F.col("ts") <= as_of)
+    if after is not None:
+        df = df.where(F.col("ts") > after)
+
+    known = ", ".join(f"'{h}'" for h in sorted(KNOWN_INPUT_HEADERS))
+    bad_header = F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))")
+    cmd_raw = _header(H_COMMAND)
+    command = F.when(cmd_raw.isNull(), F.when(F.col("rank") == 1, "delta_publish").otherwise("publish")).otherwise(F.lower(_strip(cmd_raw)))
+    exp_valid, life = lifetime_expr(spec, _header(H_EXPIRATION))
+
+    text = F.col("value").cast("string")
+    variant = F.expr("try_parse_json(cast(value AS string))")
+    is_object = variant.isNotNull() & F.expr("is_valid_utf8(cast(value AS string))") & F.regexp_like(text, F.lit(r"^[ \t\n\r]*\{"))
+    header_key = _header(H_KEY)
+    key_ok = header_key.isNotNull() & (header_key != "") & F.regexp_like(header_key, F.lit(_BASE64_CHARS.pattern))
+    if spec.key_spec.user_keys:
+        grp, grp_ok = header_key, key_ok
+    else:
+        texts = [F.to_json(F.variant_get(variant, _variant_path(parts), "variant")) for parts in spec.key_spec.split]
+        grp_ok = F.lit(True)
+        for t in texts:  # present, not null, a scalar
+            grp_ok = grp_ok & t.isNotNull() & (t != "null") & ~F.substring(t, 1, 1).isin("{", "[")
+        grp = F.concat(F.lit("["), F.concat_ws(",", *texts), F.lit("]"))
+    record_ok = is_object & grp_ok
+
+    filter_raw = _header(H_FILTER)
+    filter_text = _strip(filter_raw)
+    keys_raw = _header(H_KEYS)
+    keys_list = F.filter(F.transform(F.split(keys_raw, ","), lambda k: _strip(k)), lambda k: k != "")
+    keys_ok = (F.size(keys_list) > 0) & F.forall(keys_list, lambda k: F.regexp_like(k, F.lit(_BASE64_CHARS.pattern)))
+    has_value = F.col("value").isNotNull() & (F.length("value") > 0)
+    header_key_set = header_key.isNotNull() & (header_key != "")
+
+    is_delete = command == "sow_delete"
+    kind = (
+        F.when(bad_header | ~exp_valid, None)
+        .when(command.isin("publish", "delta_publish"), F.when(record_ok, F.when(command == "publish", "publish").otherwise("delta")))
+        .when(~is_delete, None)
+        .when(filter_raw.isNotNull(), F.when(filter_text != "", "filter"))
+        .when(keys_raw.isNotNull(), F.when(keys_ok, "keys"))
+        .when(has_value, F.when(record_ok, "delete"))
+        .when(header_key_set, F.when(key_ok, "keys"))
+    )
+    sow_keys = F.when(keys_raw.isNotNull(), keys_list).otherwise(F.array(header_key))
+    return df.select(
+        *ORDER,
+        "topic",
+        "value",
+        "headers",
+        kind.alias("kind"),
+        F.when(kind.isin("publish", "delta", "delete"), grp).alias("grp"),
+        life.alias("life"),
+        F.when(kind == "filter", filter_text).alias("filter"),
+        F.when(kind == "keys", sow_keys).alias("sow_keys"),
+    ).where(F.col("kind").isNotNull())
+
+
+# the per-group aggregation --------------------------------------------------------------------------
+def aggregate(events: DataFrame) -> DataFrame:
+    """Per key group: the latest base (publish or delete), every delta, the first input; the group
+    of no key (grp null) carries the deletes by filter and by SowKeys."""
+    from pyspark.sql import functions as F
+
+    order = [F.col(c) for c in ORDER]
+    kind = F.col("kind")
+    payload = F.struct(*order, (kind == "delete").alias("deleted"), "life", F.col("value").cast("string").alias("value"))
+    delta = F.struct(*order, "life", F.col("value").cast("string").alias("value"))
+    special = F.struct(*order, "kind", "filter", "sow_keys", "topic", "value", "headers")
+    return events.groupBy("grp").agg(
+        F.max(F.when(kind.isin("publish", "delete"), payload)).alias("base"),
+        F.collect_list(F.when(kind == "delta", delta)).alias("deltas"),
+        F.min(F.struct(*order)).alias("first"),
+        F.collect_list(F.when(kind.isin("filter", "keys"), special)).alias("specials"),
+    )
+
+
+def _order_of(struct_col: str) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.struct(*[F.col(f"{struct_col}.{c}").alias(c) for c in ORDER])
+
+
+def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
+    """Per group, the writes that make its record: the base publish (if the base is not a delete)
+    and the deltas after it in order, from the last write whose predecessor had expired by then."""
+    from pyspark.sql import functions as F
+
+    base_order = _order_of("base")
+    after = F.filter(
+        "deltas",
+        lambda d: F.col("base").isNull() | (F.struct(*[d[c].alias(c) for c in ORDER]) > base_order),
+    )
+    writes = F.when(
+        F.col("base").isNotNull() & ~F.col("base.deleted"),
+        F.concat(F.array(F.struct(*[F.col(f"base.{c}").alias(c) for c in ORDER], F.col("base.life").alias("life"), F.col("base.value").alias("value"))), F.array_sort(after)),
+    ).otherwise(F.array_sort(after))
+    df = groups.select("grp", "sow_key", writes.alias("w"))
+    if spec.expiry.active:
+        # Write j starts anew when write j-1's record expired at or before j's timestamp.
+        expired_before = F.expr(
+            "filter(sequence(1, greatest(size(w) - 1, 1)), j -> j < size(w) AND "
+            "w[j - 1].life IS NOT NULL AND w[j - 1].ts + w[j - 1].life <= w[j].ts)"
+        )
+        start = F.coalesce(F.array_max(expired_before), F.lit(0))
+        df = df.select("grp", "sow_key", F.slice("w", start + 1, F.size("w")).alias("w"))
+    last = F.element_at("w", -1)
+    return df.where(F.size("w") > 0).select(
+        "grp",
+        "sow_key",
+        F.col("w.value").alias("values"),
+        F.when(last["life"].isNotNull(), last["ts"] + last["life"]).alias("expires_at"),
+        last["ts"].alias("updated_at"),
+    )
+
+
+def _merge_chains(spark: SparkSession, chained: DataFrame) -> DataFrame:
+    """Merged record text for groups whose chain has more than one write, by paths.
+
+    An entry (write i, path p) survives when no later write holds p as a non-object, nor any
+    ancestor of p as a non-object, and (for non-objects) no later write holds p at all. So per
+    level: for each path, L = the last write holding it as a non-object; a non-object survives if
+    it is the last holder; objects after L survive and their children are the next level. Then the
+    surviving leaves and objects are assembled back into JSON text, deepest level first.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    nodes = chained.select("grp", F.posexplode("values").alias("i", "value")).select(
+        "grp", F.array().cast("array<string>").alias("path"), "i", F.expr("parse_json(value)").alias("node")
+    )
+    leaves, objects, cached = [], [nodes.select("grp", "path").distinct()], []
+    while True:
+        children = nodes.select(
+            "grp", "path", "i", F.explode(F.expr("cast(node AS map<string, variant>)")).alias("name", "child")
+        ).select("grp", F.concat("path", F.array("name")).alias("path"), "i", "child", F.to_json("child").alias("text"))
+        children = children.withColumn("is_obj", F.substring("text", 1, 1) == "{")
+        per_path = Window.partitionBy("grp", "path")
+        children = children.select(
+            "*",
+            F.max(F.when(~F.col("is_obj"), F.col("i"))).over(per_path).alias("last_leaf"),
+            F.max("i").over(per_path).alias("last"),
+        ).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(children)
+        leaves.append(children.where(~F.col("is_obj") & (F.col("i") == F.col("last"))).select("grp", "path", "text"))
+        nodes = children.where(F.col("is_obj") & (F.col("last_leaf").isNull() | (F.col("i") > F.col("last_leaf")))).select(
+            "grp", "path", "i", F.col("child").alias("node")
+        )
+        if nodes.isEmpty():
+            break
+        objects.append(nodes.select("grp", "path").distinct())
+
+    # Assemble: an object's text is {"name":text,...} over its surviving children, deepest first.
+    assembled = None
+    for depth in range(len(objects) - 1, -1, -1):
+        kids = leaves[depth]
+        if assembled is not None:
+            kids = kids.unionByName(assembled)
+        entries = kids.select(
+            "grp",
+            F.slice("path", 1, F.size("path") - 1).alias("parent"),
+            F.struct(F.element_at("path", -1).alias("name"), "text").alias("entry"),
+        )
+        entries = entries.select("grp", "parent", F.concat(F.expr("substring(to_json(array(entry.name)), 2, length(to_json(array(entry.name))) - 2)"), F.lit(":"), F.col("entry.text")).alias("pair"), F.col("entry.name").alias("name"))
+        texts = entries.groupBy("grp", "parent").agg(
+            F.concat(F.lit("{"), F.array_join(F.transform(F.array_sort(F.collect_list(F.struct("name", "pair"))), lambda e: e["pair"]), ","), F.lit("}")).alias("text")
+        )
+        assembled = (
+            objects[depth].join(texts.withColumnRenamed("parent", "path"), ["grp", "path"], "left")
+            .select("grp", "path", F.coalesce("text", F.lit("{}")).alias("text"))
+        )
+    assert assembled is not None
+    return assembled.select("grp", F.col("text").alias("record")), cached
+
+
+def _series_udf(fn, return_type: str):
+    """A pandas UDF (Series -> Series) from a per-value function of the core, applied per batch.
+    The annotations are set here because pandas is only imported lazily (no string hints)."""
+    import pandas as pd
+    from pyspark.sql.functions import pandas_udf
+
+    def batch(values):
+        return pd.Series([fn(v) for v in values])
+
+    batch.__annotations__ = {"values": pd.Series, "return": pd.Series}
+    return pandas_udf(batch, return_type)
+
+
+def _sow_key_udf(spec: SowTopic):
+    """SowKeys from key groups: the core's checksum over the key values the group spells."""
+    import orjson
+
+    domain = spec.key_spec.domain
+    return _series_udf(lambda g: checksum_key(domain, orjson.loads(g)), "string")
+
+
+def _filter_udf(text: str):
+    """`--filter`: the core's filter language on the resulting records."""
+    import orjson
+
+    from ..core.filters import compile_filter
+
+    predicate = compile_filter(text)  # parse errors surface here, before any job runs
+    return _series_udf(lambda r: predicate.matches(orjson.loads(r)), "boolean")
+
+
+def _fold_groups(spark: SparkSession, spec: SowTopic, events: DataFrame, specials: list, as_of: int) -> DataFrame:
+    """The reference fold for key groups that a delete by filter may have touched: each group's
+    inputs plus every delete by filter or SowKeys, through `history.SowFold` (per group, pandas)."""
+    import pandas as pd
+
+    from ..runner.topic_processor import InputMessage
+    from .history import SowFold
+
+    def message(row) -> InputMessage:
+        headers = [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]] if row["headers"] is not None else None
+        value = None if row["value"] is None else bytes(row["value"])
+        return InputMessage(row["topic"], int(row["partition"]), int(row["offset"]), None, value, headers, int(row["ts"]))
+
+    shared = [message(s) for s in specials]
+
+    def fold(frame: pd.DataFrame) -> pd.DataFrame:
+        fold = SowFold(spec)
+        own = [message(r) for r in frame.to_dict("records")]
+        for msg in sorted(own + shared, key=lambda m: (m.timestamp, int(m.topic == spec.delta_topic), m.partition, m.offset)):
+            fold.apply(msg)
+        rows = [(k, fold.codec.encode(r.data).decode(), r.expires_at, r.updated_at) for k, r in fold.as_of(as_of).items()]
+        return pd.DataFrame(rows, columns=["sow_key", "record", "expires_at", "updated_at"])
+
+    columns = [*ORDER, "topic", "value", "headers", "grp"]
+    return events.select(*columns).groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
+
+
+def snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, filter: str | None = None, ends: dict | None = None) -> DataFrame:
+    """The SOW at `as_of` (epoch ms): columns sow_key, record (JSON text), expires_at, updated_at."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    from ..core.filters import FilterError, compile_filter
+
+    matches = _filter_udf(filter) if filter else None
+    ends = ends or input_offsets(bootstrap, spec)
+    events = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of)
+    groups = aggregate(events).persist(StorageLevel.MEMORY_AND_DISK)
+    specials = [s for row in groups.where(F.col("grp").isNull()).select("specials").collect() for s in row["specials"]]
+    groups = groups.where(F.col("grp").isNotNull())
+    if spec.key_spec.user_keys:
+        groups = groups.withColumn("sow_key", F.col("grp"))
+    else:
+        groups = groups.withColumn("sow_key", _sow_key_udf(spec)("grp"))
+
+    filters = []
+    for s in specials:
+        if s["kind"] == "filter":
+            try:
+                compile_filter(s["filter"])
+            except FilterError:
+                continue  # the worker cannot apply it either
+            filters.append(s)
+    keyed = [(k, tuple(s[c] for c in ORDER)) for s in specials if s["kind"] == "keys" for k in s["sow_keys"]]
+
+    if keyed:  # a delete by SowKey becomes the group's base when it is the latest one
+        deletes = spark.createDataFrame(keyed, "sow_key string, o struct<ts:long, rank:int, partition:int, offset:long>")
+        deletes = deletes.groupBy("sow_key").agg(F.max("o").alias("o"))
+        groups = groups.join(F.broadcast(deletes), "sow_key", "left").withColumn(
+            "base",
+            F.when(
+                F.col("o").isNotNull() & (F.col("base").isNull() | (F.col("o") > _order_of("base"))),
+                F.struct(*[F.col(f"o.{c}").alias(c) for c in ORDER], F.lit(True).alias("deleted"), F.lit(None).cast("long").alias("life"), F.lit(None).cast("string").alias("value")),
+            ).otherwise(F.col("base")),
+        )
+
+    folded = None
+    if filters:
+        last = max(tuple(s[c] for c in ORDER) for s in filters)
+        touched = F.col("first") < F.struct(*[F.lit(v).alias(c) for c, v in zip(ORDER, last)])
+        fallback = groups.where(touched).select("grp")
+        groups = groups.where(~touched)
+        rescan = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of).join(fallback, "grp", "left_semi")
+        folded = _fold_groups(spark, spec, rescan, [s for s in specials if s["kind"] in ("filter", "keys")], as_of)
+
+    chained = chains(groups, spec).persist(StorageLevel.MEMORY_AND_DISK)
+    single = chained.where(F.size("values") == 1).select("sow_key", F.element_at("values", 1).alias("record"), "expires_at", "updated_at")
+    result = single
+    if not chained.where(F.size("values") > 1).isEmpty():
+        merged, _ = _merge_chains(spark, chained.where(F.size("values") > 1))
+        result = result.unionByName(
+            chained.where(F.size("values") > 1).join(merged, "grp").select("sow_key", "record", "expires_at", "updated_at")
+        )
+    if folded is not None:
+        result = result.unionByName(folded)
+    if spec.expiry.active:
+        result = result.where(F.col("expires_at").isNull() | (F.col("expires_at") > as_of))
+    if matches is not None:
+        result = result.where(matches("record"))
+    return result

@@ -1,0 +1,270 @@
+"""The Spark pipeline on a real broker: snapshots at instants of a scripted history, replay, SQL.
+
+The history is produced once per module with explicit Kafka timestamps, so every instant's SOW is
+known exactly; each snapshot is checked against a hand-written SOW and against the reference fold
+(`processor.spark.history.fold_history`). One SparkSession (local[2]) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'ksow[spark]')")
+
+from processor.api.types import SowRecord  # noqa: E402
+from processor.core.durations import DurationError, parse_duration_ms  # noqa: E402
+from processor.kafka import ensure_topics, make_consumer, make_producer, read_until  # noqa: E402
+from processor.runner.topic_processor import InputMessage  # noqa: E402
+from processor.spark.history import fold_history  # noqa: E402
+from processor.topology import SowTopic, Topology  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(300)]
+
+T0 = (int(time.time() * 1000) // 1000 - 600) * 1000  # ten minutes ago: inside any retention
+
+
+@dataclass
+class Scripted:
+    spec: SowTopic
+    bootstrap: str
+    keys: dict[int, str]  # id -> SowKey
+
+
+def _history(spec: SowTopic):
+    """(ms after T0, topic suffix, value, headers) of the scripted history; see the SOWs below."""
+    k3 = spec.key_spec.sow_key({"id": 3})
+    return [
+        (0, "", {"id": 1, "a": 1, "n": {"x": 1, "y": {"p": 1}}, "arr": [1, 2]}, None),
+        (0, ".delta", {"id": 1, "n": {"y": {"q": 2}}, "arr": [3]}, None),  # same instant: after the publish
+        (1000, "", {"id": 2, "s": "two"}, [("sow-expiration", b"5s")]),  # expires at 6000
+        (2000, ".delta", {"id": 1, "n": 5}, None),  # an object replaced by a scalar
+        (3000, ".delta", {"id": 1, "n": {"z": 1}}, None),  # and a scalar by an object
+        (3000, "", {"id": 3, "s": "three", "tags": ["a"]}, None),
+        (4000, "", {"id": 3}, [("sow-command", b"sow_delete")]),  # delete by data
+        (4500, ".delta", {"id": 3, "s": "back"}, None),  # a delta on no record becomes the record
+        (5000, "", b'{"id": 9, "broken', None),  # rejected: not JSON
+        (5000, "", {"other": 1}, None),  # rejected: no key field
+        (5000, "", {"id": 9}, [("sow-command", b"bogus")]),  # rejected: unknown command
+        (5000, ".delta", {"id": 9}, [("sow-expiration", b"soon")]),  # rejected: bad lifetime
+        (7000, ".delta", {"id": 2, "k": 1}, None),  # id 2 expired at 6000: starts anew
+        (8000, "", {"id": 4, "v": 1}, [("sow-expiration", b"2s")]),  # expires at 10000...
+        (9000, ".delta", {"id": 4, "w": 2}, [("sow-expiration", b"10s")]),  # ...renewed: 19000
+        (9500, "", None, [("sow-command", b"sow_delete"), ("sow-keys", k3.encode())]),  # delete by SowKey
+        (10000, "", {"id": 5, "nested": {"a": {"b": {"c": 1}}}, "t": "x"}, None),
+        (10000, ".delta", {"id": 5, "nested": {"a": {"b": {"d": 2}, "e": []}, "f": {}}}, None),
+        (11000, "", {"id": 6, "status": "open"}, [("sow-expiration", b"1s")]),  # expires at 12000
+        (12000, "", None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id = 2 OR /status = 'open'")]),
+        (13000, ".delta", {"id": 4, "w": 3}, None),  # no header: no lifetime (expiration: enabled)
+    ]
+
+
+EXPECTED = {
+    # at 5500: 1 merged, 2 alive until 6000, 3 re-created by its delta
+    5500: {
+        1: ({"id": 1, "a": 1, "n": {"z": 1}, "arr": [3]}, None),
+        2: ({"id": 2, "s": "two"}, 6000),
+        3: ({"id": 3, "s": "back"}, None),
+    },
+    # at 10500: 2 anew from its delta, 3 deleted by SowKey, 4 renewed, 5 merged three levels deep
+    10500: {
+        1: ({"id": 1, "a": 1, "n": {"z": 1}, "arr": [3]}, None),
+        2: ({"id": 2, "k": 1}, None),
+        4: ({"id": 4, "v": 1, "w": 2}, 19000),
+        5: ({"id": 5, "nested": {"a": {"b": {"c": 1, "d": 2}, "e": []}, "f": {}}, "t": "x"}, None),
+    },
+    # at 20000: the filter deleted 2 (6 had expired already), 4 lost its lifetime; every key had
+    # inputs before the filter delete, so all go through the per-group fallback
+    20000: {
+        1: ({"id": 1, "a": 1, "n": {"z": 1}, "arr": [3]}, None),
+        4: ({"id": 4, "v": 1, "w": 3}, None),
+        5: ({"id": 5, "nested": {"a": {"b": {"c": 1, "d": 2}, "e": []}, "f": {}}, "t": "x"}, None),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from processor.spark.session import get_spark
+
+    session = get_spark("local[2]", "ksow-tests", {"spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+
+
+def _create(admin, spec: SowTopic) -> None:
+    keep = {"retention.ms": "-1"}
+    ensure_topics(admin, {spec.topic: (spec.partitions, keep), spec.delta_topic: (spec.partitions, keep)})
+
+
+@pytest.fixture(scope="module")
+def scripted(kafka_bootstrap, admin, request) -> Scripted:
+    name = f"t_spark_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    _create(admin, spec)
+    producer = make_producer(kafka_bootstrap)
+    for at, suffix, value, headers in _history(spec):
+        raw = value if value is None or isinstance(value, bytes) else orjson.dumps(value)
+        producer.produce(spec.topic + suffix, raw, b"k", headers=headers, timestamp=T0 + at)
+    assert producer.flush(30) == 0
+    return Scripted(spec, kafka_bootstrap, {i: spec.key_spec.sow_key({"id": i}) for i in range(1, 10)})
+
+
+def _read_inputs(s: Scripted) -> list[InputMessage]:
+    from confluent_kafka import TopicPartition
+
+    consumer = make_consumer(s.bootstrap)
+    ends = {(t, p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1] for t in (s.spec.topic, s.spec.delta_topic) for p in range(2)}
+    consumer.assign([TopicPartition(t, p, 0) for t, p in ends])
+    out = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in read_until(consumer, ends)]
+    consumer.close()
+    return out
+
+
+def _as_sow(s: Scripted, expected: dict[int, tuple[dict, int | None]]) -> dict[str, tuple[dict, int | None]]:
+    return {s.keys[i]: (record, None if at is None else T0 + at) for i, (record, at) in expected.items()}
+
+
+@pytest.mark.parametrize("at", sorted(EXPECTED))
+def test_snapshot_at_three_instants(spark, scripted, at):
+    from processor.spark.snapshot import snapshot
+
+    rows = snapshot(spark, scripted.bootstrap, scripted.spec, T0 + at).collect()
+    got = {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in rows}
+    assert got == _as_sow(scripted, EXPECTED[at])
+    folded = fold_history(scripted.spec, _read_inputs(scripted), T0 + at)
+    assert got == {k: (r.data, r.expires_at) for k, r in folded.items()}
+
+
+def test_snapshot_filter_and_cli_output(spark, scripted, tmp_path):
+    """--filter narrows the result; Parquet and JSON lines carry the same records."""
+    from processor.spark.snapshot import snapshot
+
+    rows = snapshot(spark, scripted.bootstrap, scripted.spec, T0 + 20000, filter="/id >= 4").collect()
+    assert sorted(orjson.loads(r["record"])["id"] for r in rows) == [4, 5]
+    out = tmp_path / "sow.parquet"
+    snapshot(spark, scripted.bootstrap, scripted.spec, T0 + 20000).write.parquet(str(out))
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out).to_pylist()
+    assert {r["sow_key"] for r in table} == {scripted.keys[i] for i in (1, 4, 5)}
+
+
+def test_replay_from_instant(spark, scripted):
+    """The snapshot at --from, then each change with the workers' ops and diffs, in order."""
+    from processor.spark.replay import replay
+
+    events = list(replay(spark, scripted.bootstrap, scripted.spec, T0 + 5500, T0 + 12500))
+    sow = [e for e in events if e["op"] == "sow"]
+    assert {e["sow_key"]: e["record"] for e in sow} == {scripted.keys[i]: r for i, (r, _) in EXPECTED[5500].items()}
+    changes = [(e["op"], e["sow_key"], e["at"] - T0) for e in events if e["op"] != "sow"]
+    k = scripted.keys
+    assert changes == [
+        ("expire", k[2], 6000),
+        ("insert", k[2], 7000),
+        ("insert", k[4], 8000),
+        ("update", k[4], 9000),
+        ("delete", k[3], 9500),
+        ("insert", k[5], 10000),
+        ("update", k[5], 10000),
+        ("insert", k[6], 11000),
+        ("expire", k[6], 12000),
+        ("delete", k[2], 12000),
+    ]
+    update5 = next(e for e in events if e["op"] == "update" and e["sow_key"] == k[5])
+    assert update5["diff"] == {"id": 5, "nested": {"a": {"b": {"d": 2}, "e": []}, "f": {}}}
+    update4 = next(e for e in events if e["op"] == "update" and e["sow_key"] == k[4])
+    assert update4["expires_at"] == T0 + 19000 and update4["record"] == {"id": 4, "v": 1, "w": 2}
+    seqs = [e["seq"] for e in events if e["op"] != "sow" and e["sow_key"] == k[2]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # event IDs increase per key
+
+
+def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
+    """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones out, fields as columns."""
+    from processor.kafka import topic_configs
+    from processor.spark.sql import run_sql
+
+    name = f"t_spark_sql_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2)
+    ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
+    producer = make_producer(kafka_bootstrap)
+
+    def put(i: int, record: dict | None) -> None:
+        producer.produce(spec.sow_topic, None if record is None else orjson.dumps(record), spec.key_spec.sow_key({"order_id": i}).encode())
+
+    put(1, {"order_id": 1, "region": "eu", "qty": 10})
+    put(2, {"order_id": 2, "region": "eu", "qty": 5})
+    put(3, {"order_id": 3, "region": "us", "qty": 7})
+    put(1, {"order_id": 1, "region": "eu", "qty": 20})  # a newer version of 1
+    put(4, {"order_id": 4, "region": "us", "qty": 100})
+    put(4, None)  # 4 left the SOW
+    assert producer.flush(30) == 0
+    view = spec.topic.replace(".", "_")
+    topology = Topology(sow=[spec])
+    rows = run_sql(spark, kafka_bootstrap, topology, f"SELECT region, count(*) AS n, sum(qty) AS qty FROM {view} GROUP BY region ORDER BY region").collect()
+    assert [r.asDict() for r in rows] == [{"region": "eu", "n": 2, "qty": 25}, {"region": "us", "n": 1, "qty": 7}]
+
+
+LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", "١٠"]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(expiration=None),
+        dict(expiration="enabled"),
+        dict(expiration="30s"),
+        dict(expiration="30s", min_expiration="20s", max_expiration="1m"),
+        dict(expiration="enabled", max_expiration="1h"),
+        dict(expiration="enabled", min_expiration="1s"),
+    ],
+)
+def test_lifetime_expression_agrees_with_the_core(spark, policy):
+    """The Spark rendering of sow-expiration parsing + ExpiryPolicy.lifetime_ms equals the core."""
+    from pyspark.sql import functions as F
+
+    from processor.spark.snapshot import lifetime_expr
+
+    spec = SowTopic(topic="t", key=["/id"], **policy)
+    df = spark.createDataFrame([(c,) for c in LIFETIME_CASES] + [(None,)], "raw string")
+    valid, life = lifetime_expr(spec, F.col("raw"))
+    got = {r["raw"]: (r["valid"], r["life"]) for r in df.select("raw", valid.alias("valid"), life.alias("life")).collect()}
+    for raw in LIFETIME_CASES + [None]:
+        try:
+            expected = (True, spec.expiry.lifetime_ms(None if raw is None else parse_duration_ms(raw)))
+        except DurationError:
+            expected = (False, None)
+        if raw == "١٠":  # Python reads Arabic-Indic digits as a number; Spark's cast does not
+            assert got[raw][0] is False or got[raw] == expected
+            continue
+        assert (got[raw][0], got[raw][1] if got[raw][0] else None) == expected, raw
+
+
+def test_snapshot_cli(scripted, tmp_path):
+    """`ksow snapshot` end to end (its own Spark process): JSON lines on stdout."""
+    import subprocess
+    import sys
+
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(json.dumps({"sow": [{"topic": scripted.spec.topic, "key": ["/id"], "expiration": "enabled", "partitions": 2}]}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "processor.spark_cli", "snapshot", scripted.spec.topic, "--as-of", str(T0 + 10500),
+         "--bootstrap", scripted.bootstrap, "--topology", str(topo), "--master", "local[2]"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {line["sow_key"]: line["record"] for line in lines} == {k: r for k, (r, _) in _as_sow(scripted, EXPECTED[10500]).items()}
+
+
+def test_fold_history_is_order_independent(scripted):
+    """The reference fold sorts its input: any arrival order gives the same SOW."""
+    messages = _read_inputs(scripted)
+    forward = fold_history(scripted.spec, messages, T0 + 20000)
+    backward = fold_history(scripted.spec, list(reversed(messages)), T0 + 20000)
+    assert forward == backward
+    assert all(isinstance(r, SowRecord) for r in forward.values())

