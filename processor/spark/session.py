@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import urllib.request
 from functools import lru_cache
 from pathlib import Path
@@ -107,7 +108,10 @@ def get_spark(master: str | None = None, app_name: str = "ksow", conf: dict[str,
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
         "spark.sql.variant.allowDuplicateKeys": "true",  # as orjson: the last duplicate wins
+        "spark.kafka.consumer.cache.capacity": "256",
     }
+    # Python workers run this interpreter (with pandas, pyarrow and ksow), not whatever `python3` is.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     options.update({k: str(v) for k, v in (conf or {}).items()})
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in options.items():
