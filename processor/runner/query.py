@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 from ..api.types import SowRecord
 from ..core.filters import Filter, compile_filter
 from ..core.paths import MISSING, get_path, project, split_path
-from ..state.base import PartitionStore
+from ..state.base import PartitionStore, decode_data, decode_record
 
 
 @dataclass
@@ -95,6 +95,19 @@ def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None
                     yield key, record
 
 
+def _scan(stores: list[PartitionStore], predicate: Filter, plan: QueryPlan) -> list[tuple[str, SowRecord]]:
+    """The full-scan path, kept tight: decode the fields, filter, and build records only for matches."""
+    matches = predicate.matches
+    rows = []
+    for store in stores:
+        for kb, raw in store.scan_data():
+            plan.candidates += 1
+            data = decode_data(raw)
+            if matches(data):
+                rows.append((kb.decode(), decode_record(raw, data)))
+    return rows
+
+
 def run_query(
     stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...], key_paths: tuple[tuple[str, ...], ...] = ()
 ) -> tuple[list[dict], QueryPlan]:
@@ -103,11 +116,15 @@ def run_query(
     plan = QueryPlan(None)
     select = selection(query, key_paths)
     rows: list[tuple[str, SowRecord]] = []
-    for store in stores:
-        for key, record in _candidates(store, query, predicate, indexes, plan):
-            plan.candidates += 1
-            if predicate is None or predicate.matches(record.data):
-                rows.append((key, record))
+    stores = list(stores)
+    if predicate is not None and not query.keys and choose_index(predicate, indexes) is None:
+        rows = _scan(stores, predicate, plan)
+    else:
+        for store in stores:
+            for key, record in _candidates(store, query, predicate, indexes, plan):
+                plan.candidates += 1
+                if predicate is None or predicate.matches(record.data):
+                    rows.append((key, record))
     rows = order_and_cut(rows, query, lambda row: row[1].data)
     return [result(key, rec, select) for key, rec in rows], plan
 

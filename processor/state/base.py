@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
@@ -24,7 +25,8 @@ from typing import Iterator, Protocol
 import orjson
 
 from ..api.types import SowRecord
-from ..core.paths import MISSING, get_path, split_path
+from ..core.filters import index_keys
+from ..core.paths import get_path, split_path
 
 _REC = b"r"
 _EXP = b"x"
@@ -69,9 +71,16 @@ def encode_record(record: SowRecord) -> bytes:
     return _HEADER.pack(record.seq, expires, record.updated_at) + orjson.dumps(record.data)
 
 
-def decode_record(raw: bytes) -> SowRecord:
+def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
     seq, expires, updated = _HEADER.unpack_from(raw)
-    return SowRecord(orjson.loads(raw[_HEADER.size :]), seq, None if expires == _NO_EXPIRY else expires, updated)
+    if data is None:
+        data = decode_data(raw)
+    return SowRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated)
+
+
+def decode_data(raw: bytes) -> dict:
+    """Only the record's fields, without the header (what a filter needs)."""
+    return orjson.loads(memoryview(raw)[_HEADER.size :])
 
 
 def index_value_hash(values: tuple) -> bytes:
@@ -111,6 +120,12 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
+    def scan_data(self) -> Iterator[tuple[bytes, bytes]]:
+        """(SowKey bytes, stored bytes) of committed records: the scan path of queries, which decodes
+        only the record data to filter it and builds a SowRecord only for matches."""
+        for k, v in self.backend.scan(_REC, _REC + _END):
+            yield k[1:], v
+
     def count(self) -> int:
         """Committed records."""
         return self.meta("count")
@@ -140,10 +155,12 @@ class PartitionStore:
                 yield key, record
 
     def lookup(self, index_no: int, values: tuple) -> Iterator[str]:
-        """SowKeys whose fields of hash index `index_no` equal `values` (committed state)."""
-        prefix = _IDX + bytes([index_no]) + index_value_hash(values)
-        for k, _ in self.backend.scan(prefix, prefix + _END):
-            yield k[len(prefix) :].decode()
+        """SowKeys whose fields of hash index `index_no` may equal `values` (committed state; the
+        caller still applies the filter, as a key can be shared by values that differ)."""
+        for combo in itertools.product(*(index_keys(v) for v in values)):
+            prefix = _IDX + bytes([index_no]) + index_value_hash(combo)
+            for k, _ in self.backend.scan(prefix, prefix + _END):
+                yield k[len(prefix) :].decode()
 
     # writes ----------------------------------------------------------------
     def stage(self, key: str, record: SowRecord | None) -> None:
@@ -194,9 +211,11 @@ class PartitionStore:
         if self.indexes.track_age:
             yield _AGE + _BE64.pack(record.updated_at) + kb
         for no, paths in enumerate(self.indexes.split):
-            values = tuple(get_path(record.data, p) for p in paths)
-            if all(v is not MISSING and v is not None for v in values):
-                yield _IDX + bytes([no]) + index_value_hash(values) + kb
+            # Every key a value can be matched by ('10' also as 10, arrays by element), so an
+            # equality filter finds the record whatever type spells the value.
+            keys = [index_keys(get_path(record.data, p)) for p in paths]
+            for combo in set(itertools.product(*keys)):
+                yield _IDX + bytes([no]) + index_value_hash(combo) + kb
 
     def _index(self, writes: dict, kb: bytes, record: SowRecord) -> None:
         for entry in self._entries(kb, record):

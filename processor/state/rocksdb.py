@@ -23,14 +23,10 @@ class RocksDBBackend:
         return self._db.get(key)
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
-        it = self._db.iter()
-        it.seek(start)
-        while it.valid():
-            key = it.key()
+        for key, value in self._db.items(from_key=start):
             if key >= stop:
                 break
-            yield key, it.value()
-            it.next()
+            yield key, value
 
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
         batch = WriteBatch(raw_mode=True)

@@ -66,3 +66,15 @@ def test_order_puts_missing_last_and_mixes_types():
     rows = [{"v": 2}, {}, {"v": "a"}, {"v": 1.5}]
     out = order_and_cut(rows, SowQuery(order_by="/v"), lambda r: r)
     assert out == [{"v": 1.5}, {"v": 2}, {"v": "a"}, {}]
+
+
+def test_index_finds_values_of_any_spelling(tmp_path):
+    store = open_partition_store("rocksdb", str(tmp_path / "x"), IndexSpec((("/n",),)))
+    for key, n in (("a", 10), ("b", 10.0), ("c", "10"), ("d", [3, 10]), ("e", 11), ("f", None)):
+        store.stage(key, SowRecord({"n": n}, 1))
+    store.commit()
+    rows, plan = run_query([store], SowQuery("/n = 10"), (("/n",),))
+    assert plan.index == 0 and sorted(r["sow_key"] for r in rows) == ["a", "b", "c", "d"]
+    rows, _ = run_query([store], SowQuery("/n = '10'"), (("/n",),))
+    assert sorted(r["sow_key"] for r in rows) == ["a", "b", "c", "d"]
+    store.close()
