@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import orjson
@@ -305,25 +305,39 @@ class Client:
         "oof" with a "reason" when a record leaves the subscription). Stops after `timeout` seconds of
         no messages, if given.
         """
+        options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation)
+        return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout))
+
+    def subscribe_many(self, topic: str, subscriptions: list[dict], *, sow: bool = True, timeout: float | None = None) -> Iterator[tuple[int, dict]]:
+        """Several subscriptions to one topic over one consumer and one copy of the SOW state.
+
+        Each entry of `subscriptions` takes the keyword options of `subscribe` (filter, delta, oof,
+        no_empties, no_sowkey, select, conflation). Yields (index of the subscription, event).
+        """
         spec = self.spec(topic)
-        sub = self._subscription_spec(spec, filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select)
+        feeds = []
+        for options in subscriptions:
+            options = dict(options)
+            conflation = options.pop("conflation", None)
+            sub = self._subscription_spec(spec, options.pop("filter", None), **options)
+            feeds.append(_Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0))
         # The snapshot is taken now, not at the first next(): the subscription starts at this call.
         state, ends, consumer = self._snapshot(spec)
-        return self._events(spec, sub, state, ends, consumer, sow, conflation, timeout)
+        return self._events(spec, feeds, state, ends, consumer, sow, timeout)
 
-    def _events(self, spec, sub, state, ends, consumer, sow, conflation, timeout) -> Iterator[dict]:
+    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout) -> Iterator[tuple[int, dict]]:
         codec = self.codec(spec)
         try:
             if sow:
                 for key, (record, seq, expires) in state.items():
-                    event = sub.snapshot(key, seq, record, expires)
-                    if event is not None:
-                        yield event
+                    for i, feed in enumerate(feeds):
+                        event = feed.sub.snapshot(key, seq, record, expires)
+                        if event is not None:
+                            yield i, event
             consumer.assign([TopicPartition(spec.sow_topic, p, ends[p]) for p in ends])
-            interval = parse_duration_ms(conflation) / 1000 if conflation else 0.0
-            pending: dict[str, dict] = {}
-            flush_at = time.monotonic() + interval
             idle_since = time.monotonic()
+            for feed in feeds:
+                feed.flush_at = idle_since + feed.interval
             while True:
                 msgs = consumer.consume(500, 0.1)
                 now = time.monotonic()
@@ -333,40 +347,63 @@ class Client:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now
-                    event = self._change(sub, codec, state, msg)
-                    if event is None:
-                        continue
-                    if interval:
-                        key = event.get("sow_key") or msg.key().decode()
-                        pending[key] = _conflate_event(pending.get(key), event)
-                    else:
-                        yield event
-                if interval and now >= flush_at:
-                    yield from pending.values()
-                    pending.clear()
-                    flush_at = now + interval
-                if timeout is not None and now - idle_since > timeout:
-                    yield from pending.values()
+                    change = _decode_change(codec, state, msg)
+                    for i, feed in enumerate(feeds):
+                        event = feed.sub.change(*change)
+                        if event is None:
+                            continue
+                        if feed.interval:
+                            key = change[1]
+                            feed.pending[key] = _conflate_event(feed.pending.get(key), event)
+                        else:
+                            yield i, event
+                idle = timeout is not None and now - idle_since > timeout
+                for i, feed in enumerate(feeds):
+                    if feed.pending and (idle or now >= feed.flush_at):
+                        for event in feed.pending.values():
+                            yield i, event
+                        feed.pending.clear()
+                    if feed.interval and now >= feed.flush_at:
+                        feed.flush_at = now + feed.interval
+                if idle:
                     return
         finally:
             consumer.close()
 
-    @staticmethod
-    def _change(sub: SubscriptionSpec, codec: Codec, state: dict, msg) -> dict | None:
-        key = msg.key().decode()
-        hs = msg.headers()
-        op = Op(_header(hs, h.H_OP) or ("delete" if msg.value() is None else "update"))
-        seq = _int_header(hs, h.H_SEQ)
-        expires = _int_header(hs, h.H_EXPIRES_AT)
-        before = state.get(key)
-        before_record = before[0] if before else None
-        if msg.value() is None:
-            state.pop(key, None)
-            after = None
-        else:
-            after = codec.decode(msg.value())
-            state[key] = (after, seq, expires)
-        return sub.change(op, key, seq, before_record, after, expires)
+
+@dataclass
+class _Feed:
+    """One subscription of a shared consumer, with its conflation buffer."""
+
+    sub: SubscriptionSpec
+    interval: float = 0.0
+    flush_at: float = 0.0
+    pending: dict = field(default_factory=dict)
+
+
+def _only_events(feed: Iterator[tuple[int, dict]]) -> Iterator[dict]:
+    try:
+        for _, event in feed:
+            yield event
+    finally:
+        feed.close()
+
+
+def _decode_change(codec: Codec, state: dict, msg) -> tuple:
+    """(op, key, seq, record before, record after, expires_at) of one `.sow` message; updates `state`."""
+    key = msg.key().decode()
+    hs = msg.headers()
+    op = Op(_header(hs, h.H_OP) or ("delete" if msg.value() is None else "update"))
+    seq = _int_header(hs, h.H_SEQ)
+    expires = _int_header(hs, h.H_EXPIRES_AT)
+    before = state.get(key)
+    if msg.value() is None:
+        state.pop(key, None)
+        after = None
+    else:
+        after = codec.decode(msg.value())
+        state[key] = (after, seq, expires)
+    return op, key, seq, before[0] if before else None, after, expires
 
 
 def _http_json(url: str, timeout: float = 30.0) -> dict | None:

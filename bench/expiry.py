@@ -1,0 +1,150 @@
+"""Expiry benchmark (issue 3): N records whose instants fall in one 60 s window, expired by a worker
+while it also ingests a concurrent publish stream; the same stream again with nothing expiring.
+
+    python bench/expiry.py [--records 1000000] [--window 60] [--stream 100000]
+
+Phase 1 loads N records into the `exp` SOW topic with per-message lifetimes chosen so that their
+instants spread uniformly over [W, W + window] (W: a moment after the load is applied). At W a
+backlog of `--stream` records is published to a second topic `load` (no expiration) and the worker
+drains it while the expiries fall due. Lateness is `sow-actual-expiry - sow-expires-at` from every
+message on `EXP.exp`. Run 2 repeats the stream with no expiring records. Last line:
+`expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with / without expiration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
+from processor.core.keys import KeySpec  # noqa: E402
+from processor.kafka import end_offsets, make_consumer, read_until  # noqa: E402
+
+PARTITIONS = 4
+
+
+def start_worker(bootstrap: str, topo: Path, tmp: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(topo),
+            "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "warning"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / "worker.log", "wb"))
+
+
+def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> None:
+    """The worker creates its topics when it starts: wait for them before counting."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while topic not in admin.list_topics(timeout=10).topics:
+        if not alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the worker did not create {topic}")
+        time.sleep(0.2)
+    time.sleep(1.0)  # leaders settle
+
+
+def records(topic: str, n: int, offset: int = 0):
+    keys = KeySpec(topic, ("/id",))
+    for i in range(offset, offset + n):
+        rec = {"id": i, "px": i * 0.5, "side": "BS"[i % 2], "desk": f"d{i % 40}"}
+        yield keys.sow_key(rec).encode(), orjson.dumps(rec)
+
+
+def lateness(bootstrap: str, topic: str) -> list[int]:
+    consumer = make_consumer(bootstrap)
+    try:
+        ends = {(topic, p): high for p, (_, high) in end_offsets(consumer, topic, range(PARTITIONS)).items()}
+        from confluent_kafka import TopicPartition
+
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        out = []
+        for msg in read_until(consumer, ends, timeout=600):
+            h = dict(msg.headers())
+            out.append(int(h["sow-actual-expiry"]) - int(h["sow-expires-at"]))
+        return out
+    finally:
+        consumer.close()
+
+
+def run(bootstrap: str, n: int, window: float, stream: int, with_expiry: bool) -> dict:
+    exp, load = unique_name("exp"), unique_name("load")
+    tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-expiry-"))
+    topo = tmp / "t.yaml"
+    topo.write_text(yaml.safe_dump({"sow": [
+        {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
+        {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
+    ]}))
+    worker = start_worker(bootstrap, topo, tmp)
+    alive = lambda: worker.poll() is None  # noqa: E731
+    try:
+        wait_for_topic(bootstrap, f"EXP.{exp}", alive)
+        result: dict = {}
+        if with_expiry:
+            # Instants in [W, W + window]; W leaves time to load N records first (~load rate measured live).
+            load_s = max(20.0, n / 4000)
+            start_at = time.time() + load_s
+            rnd = random.Random(1)
+            from processor.kafka import make_producer, produce
+
+            producer = make_producer(bootstrap, **{"linger.ms": 20})
+            began = time.time()
+            for key, value in records(exp, n):
+                instant = start_at + rnd.uniform(0, window)
+                lifetime_ms = max(1, int((instant - time.time()) * 1000))
+                produce(producer, exp, value, key, headers=[("sow-expiration", f"{lifetime_ms}ms".encode())])
+            producer.flush(120)
+            log(f"published {n:,} expiring records in {time.time() - began:.1f}s")
+            wait_for_count(bootstrap, f"{exp}.sow", PARTITIONS, n, 3600, alive=alive)
+            applied = time.time()
+            result["load_s"] = applied - began
+            if applied > start_at:
+                log(f"warning: the load took {applied - began:.0f}s, past the window start: raise the margin or lower --records")
+            time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        count, _ = publish(bootstrap, ((load, k, v) for k, v in records(load, stream)))
+        done = wait_for_count(bootstrap, f"{load}.diff", PARTITIONS, stream, 3600, alive=alive)
+        result["stream_rate"] = stream / (done - t0)
+        if with_expiry:
+            wait_for_count(bootstrap, f"EXP.{exp}", PARTITIONS, n, window + 3600, alive=alive)
+            late = sorted(lateness(bootstrap, f"EXP.{exp}"))
+            result.update(n=len(late), p50=late[len(late) // 2], p99=late[int(len(late) * 0.99)], max=late[-1])
+        return result
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--window", type=float, default=60.0)
+    parser.add_argument("--stream", type=int, default=100_000)
+    args = parser.parse_args()
+    with kafka_bootstrap() as bootstrap:
+        log("run 1: expiring records + concurrent stream")
+        with_exp = run(bootstrap, args.records, args.window, args.stream, True)
+        log("run 2: the same stream, nothing expiring")
+        without = run(bootstrap, 0, args.window, args.stream, False)
+    r = with_exp["stream_rate"] / without["stream_rate"]
+    print(f"{with_exp['n']:,} records expired, instants spread over {args.window:.0f}s (load took {with_exp['load_s']:.0f}s)")
+    print(f"  lateness (actual expiry - instant): p50 {with_exp['p50']} ms, p99 {with_exp['p99']} ms, max {with_exp['max']} ms")
+    print(f"  concurrent stream of {args.stream:,} records: {with_exp['stream_rate']:,.0f} rec/s with expiry, {without['stream_rate']:,.0f} rec/s without")
+    print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {r:.2f}")
+
+
+if __name__ == "__main__":
+    main()
