@@ -221,14 +221,15 @@ def query(bootstrap, topology, group, topic, filter_, keys, select, top, order_b
 @click.option("--select", default=None, help="Comma-separated field paths.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
+@click.option("--after-seq", type=int, default=None, help="Resume after this event ID (sow-seq) instead of starting with the SOW.")
 @GROUP
-def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout) -> None:
+def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
     client = _client(bootstrap, topology)
     with _client_errors():
         events = client.subscribe(
             topic, filter=filter_, sow=sow, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey,
-            select=select.split(",") if select else None, conflation=conflation, timeout=timeout,
+            select=_split(select), conflation=conflation, timeout=timeout, after_seq=after_seq,
         )
         try:
             for event in events:

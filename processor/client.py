@@ -185,22 +185,21 @@ class Client:
         self.flush()
 
     # reading the SOW ----------------------------------------------------------------------
-    def _snapshot(self, spec: SowTopic) -> tuple[dict[str, tuple[Any, ...]], dict[int, int], Any]:
-        """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, and the consumer."""
+    def _snapshot(self, spec: SowTopic, after_seq: int | None = None) -> tuple[dict, dict[int, int], Any, list[tuple]]:
+        """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
+        (with `after_seq`) the last change of every record whose event ID is above it, in order."""
         consumer = make_consumer(self.bootstrap)
         topic = spec.sow_topic
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
         consumer.assign([TopicPartition(topic, p, 0) for p in range(spec.partitions)])
         state: dict[str, tuple[Any, ...]] = {}
+        since: dict[str, tuple] = {}
         codec = self.codec(spec)
         for msg in read_until(consumer, {(topic, p): e for p, e in ends.items()}):
-            key = msg.key().decode()
-            if msg.value() is None:
-                state.pop(key, None)
-            else:
-                hs = msg.headers()
-                state[key] = (codec.decode(msg.value()), _int_header(hs, h.H_SEQ), _int_header(hs, h.H_EXPIRES_AT))
-        return state, ends, consumer
+            change = _decode_change(codec, state, msg)
+            if after_seq is not None and change[2] is not None and change[2] > after_seq:
+                since[change[1]] = change
+        return state, ends, consumer, sorted(since.values(), key=lambda c: c[2])
 
     def query(
         self,
@@ -261,7 +260,7 @@ class Client:
 
     def _query_changelog(self, spec: SowTopic, query: SowQuery) -> list[dict]:
         sub = self._subscription_spec(spec, query.filter)
-        state, _, consumer = self._snapshot(spec)
+        state, _, consumer, _ = self._snapshot(spec)
         consumer.close()
         wanted = set(query.keys) if query.keys else None
         select = selection(query, spec.key_spec.split)
@@ -298,21 +297,27 @@ class Client:
         select: list[str] | None = None,
         conflation: str | int | None = None,
         timeout: float | None = None,
+        after_seq: int | None = None,
     ) -> Iterator[dict]:
         """sow_and_subscribe (or with sow=False just subscribe); with delta=True, deltas after the SOW.
 
         Yields event dicts: {"op", "sow_key", "seq", "expires_at", "record"} (op "sow" for the snapshot,
         "oof" with a "reason" when a record leaves the subscription). Stops after `timeout` seconds of
-        no messages, if given.
+        no messages, if given. `after_seq` resumes after an event ID (see subscribe_many).
         """
         options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation)
-        return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout))
+        return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout, after_seq=after_seq))
 
-    def subscribe_many(self, topic: str, subscriptions: list[dict], *, sow: bool = True, timeout: float | None = None) -> Iterator[tuple[int, dict]]:
+    def subscribe_many(
+        self, topic: str, subscriptions: list[dict], *, sow: bool = True, timeout: float | None = None, after_seq: int | None = None
+    ) -> Iterator[tuple[int, dict]]:
         """Several subscriptions to one topic over one consumer and one copy of the SOW state.
 
         Each entry of `subscriptions` takes the keyword options of `subscribe` (filter, delta, oof,
         no_empties, no_sowkey, select, conflation). Yields (index of the subscription, event).
+        With `after_seq` (an event ID a subscriber saw last), instead of the snapshot: the current
+        version of every record changed after it (full records, oldest change first) and the
+        records removed after it (op of the removal, record null), then the live stream.
         """
         spec = self.spec(topic)
         feeds = []
@@ -322,12 +327,18 @@ class Client:
             sub = self._subscription_spec(spec, options.pop("filter", None), **options)
             feeds.append(_Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0))
         # The snapshot is taken now, not at the first next(): the subscription starts at this call.
-        state, ends, consumer = self._snapshot(spec)
-        return self._events(spec, feeds, state, ends, consumer, sow, timeout)
+        state, ends, consumer, since = self._snapshot(spec, after_seq)
+        return self._events(spec, feeds, state, ends, consumer, sow and after_seq is None, timeout, since)
 
-    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout) -> Iterator[tuple[int, dict]]:
+    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout, since=()) -> Iterator[tuple[int, dict]]:
         codec = self.codec(spec)
         try:
+            for op, key, seq, _, after, expires in since:
+                for i, feed in enumerate(feeds):
+                    if after is None:
+                        yield i, feed.sub.event(op.value, key, seq, None)
+                    elif (event := feed.sub.change(op, key, seq, None, after, expires)) is not None:
+                        yield i, event
             if sow:
                 for key, (record, seq, expires) in state.items():
                     for i, feed in enumerate(feeds):

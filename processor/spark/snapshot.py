@@ -301,7 +301,10 @@ def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
     )
 
 
-def _merge_chains(spark: SparkSession, chained: DataFrame) -> DataFrame:
+MAX_PLANNED_LEVELS = 12  # deeper (or brace-heavy) deltas: levels are discovered one action each
+
+
+def _merge_chains(chained: DataFrame, levels: int | None) -> DataFrame:
     """Merged record text for groups whose chain has more than one write, by paths.
 
     An entry (write i, path p) survives when no later write holds p as a non-object, nor any
@@ -309,6 +312,7 @@ def _merge_chains(spark: SparkSession, chained: DataFrame) -> DataFrame:
     level: for each path, L = the last write holding it as a non-object; a non-object survives if
     it is the last holder; objects after L survive and their children are the next level. Then the
     surviving leaves and objects are assembled back into JSON text, deepest level first.
+    `levels` bounds the depth (planned in one job); None discovers it level by level.
     """
     from pyspark import StorageLevel
     from pyspark.sql import Window
@@ -317,48 +321,44 @@ def _merge_chains(spark: SparkSession, chained: DataFrame) -> DataFrame:
     nodes = chained.select("grp", F.posexplode("values").alias("i", "value")).select(
         "grp", F.array().cast("array<string>").alias("path"), "i", F.expr("parse_json(value)").alias("node")
     )
-    leaves, objects, cached = [], [nodes.select("grp", "path").distinct()], []
+    per_path = Window.partitionBy("grp", "path")
+    leaves, objects = [], [nodes.select("grp", "path").distinct()]
+    depth = 0
     while True:
         children = nodes.select(
             "grp", "path", "i", F.explode(F.expr("cast(node AS map<string, variant>)")).alias("name", "child")
         ).select("grp", F.concat("path", F.array("name")).alias("path"), "i", "child", F.to_json("child").alias("text"))
-        children = children.withColumn("is_obj", F.substring("text", 1, 1) == "{")
-        per_path = Window.partitionBy("grp", "path")
         children = children.select(
             "*",
-            F.max(F.when(~F.col("is_obj"), F.col("i"))).over(per_path).alias("last_leaf"),
+            (F.substring("text", 1, 1) == "{").alias("is_obj"),
+            F.max(F.when(F.substring("text", 1, 1) != "{", F.col("i"))).over(per_path).alias("last_leaf"),
             F.max("i").over(per_path).alias("last"),
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(children)
+        )
+        if levels is None:
+            children = children.persist(StorageLevel.MEMORY_AND_DISK)
         leaves.append(children.where(~F.col("is_obj") & (F.col("i") == F.col("last"))).select("grp", "path", "text"))
         nodes = children.where(F.col("is_obj") & (F.col("last_leaf").isNull() | (F.col("i") > F.col("last_leaf")))).select(
             "grp", "path", "i", F.col("child").alias("node")
         )
-        if nodes.isEmpty():
+        depth += 1
+        if (levels is not None and depth >= levels) or (levels is None and nodes.isEmpty()):
             break
         objects.append(nodes.select("grp", "path").distinct())
 
     # Assemble: an object's text is {"name":text,...} over its surviving children, deepest first.
+    name_json = F.expr("substring(to_json(array(name)), 2, length(to_json(array(name))) - 2)")
     assembled = None
     for depth in range(len(objects) - 1, -1, -1):
-        kids = leaves[depth]
-        if assembled is not None:
-            kids = kids.unionByName(assembled)
+        kids = leaves[depth] if assembled is None else leaves[depth].unionByName(assembled)
         entries = kids.select(
-            "grp",
-            F.slice("path", 1, F.size("path") - 1).alias("parent"),
-            F.struct(F.element_at("path", -1).alias("name"), "text").alias("entry"),
+            "grp", F.slice("path", 1, F.size("path") - 1).alias("parent"), F.element_at("path", -1).alias("name"), "text"
+        ).select("grp", "parent", "name", F.concat(name_json, F.lit(":"), "text").alias("pair"))
+        texts = entries.groupBy("grp", F.col("parent").alias("path")).agg(
+            F.concat(F.lit("{"), F.array_join(F.array_sort(F.collect_list(F.struct("name", "pair"))).getField("pair"), ","), F.lit("}")).alias("text")
         )
-        entries = entries.select("grp", "parent", F.concat(F.expr("substring(to_json(array(entry.name)), 2, length(to_json(array(entry.name))) - 2)"), F.lit(":"), F.col("entry.text")).alias("pair"), F.col("entry.name").alias("name"))
-        texts = entries.groupBy("grp", "parent").agg(
-            F.concat(F.lit("{"), F.array_join(F.transform(F.array_sort(F.collect_list(F.struct("name", "pair"))), lambda e: e["pair"]), ","), F.lit("}")).alias("text")
-        )
-        assembled = (
-            objects[depth].join(texts.withColumnRenamed("parent", "path"), ["grp", "path"], "left")
-            .select("grp", "path", F.coalesce("text", F.lit("{}")).alias("text"))
-        )
+        assembled = objects[depth].join(texts, ["grp", "path"], "left").select("grp", "path", F.coalesce("text", F.lit("{}")).alias("text"))
     assert assembled is not None
-    return assembled.select("grp", F.col("text").alias("record")), cached
+    return assembled.select("grp", F.col("text").alias("record"))
 
 
 def _series_udf(fn, return_type: str):
@@ -468,13 +468,15 @@ def snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, fi
         folded = _fold_groups(spark, spec, rescan, [s for s in specials if s["kind"] in ("filter", "keys")], as_of)
 
     chained = chains(groups, spec).persist(StorageLevel.MEMORY_AND_DISK)
-    single = chained.where(F.size("values") == 1).select("sow_key", F.element_at("values", 1).alias("record"), "expires_at", "updated_at")
-    result = single
-    if not chained.where(F.size("values") > 1).isEmpty():
-        merged, _ = _merge_chains(spark, chained.where(F.size("values") > 1))
-        result = result.unionByName(
-            chained.where(F.size("values") > 1).join(merged, "grp").select("sow_key", "record", "expires_at", "updated_at")
-        )
+    result = chained.where(F.size("values") == 1).select("sow_key", F.element_at("values", 1).alias("record"), "expires_at", "updated_at")
+    multi = chained.where(F.size("values") > 1)
+    # One job tells whether any record needs merging and bounds its depth: an object needs a '{'.
+    braces = F.aggregate("values", F.lit(0), lambda acc, v: F.greatest(acc, F.length(v) - F.length(F.regexp_replace(v, "\\{", ""))))
+    stats = multi.agg(F.count("*").alias("n"), F.max(braces).alias("depth")).first()
+    if stats["n"]:
+        levels = stats["depth"] if stats["depth"] <= MAX_PLANNED_LEVELS else None
+        merged = _merge_chains(multi, levels)
+        result = result.unionByName(multi.join(merged, "grp").select("sow_key", "record", "expires_at", "updated_at"))
     if folded is not None:
         result = result.unionByName(folded)
     if spec.expiry.active:

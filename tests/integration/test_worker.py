@@ -44,6 +44,8 @@ def test_publish_delta_delete_with_exact_outputs(setup, kafka_bootstrap):
     worker()
     key1 = client.publish(topic, {"id": 1, "status": "open", "qty": 10, "px": {"bid": 1.0, "ask": 2.0}})
     client.publish(topic, {"id": 2, "status": "open", "qty": 5})
+    client.flush()
+    wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.diff")) == 2)  # <topic>.delta is not ordered with <topic>
     client.publish(topic, {"id": 1, "qty": 20, "px": {"ask": 2.5}}, delta=True)
     client.delete(topic, data={"id": 2})
     client.flush()
