@@ -19,6 +19,10 @@ class Codec(Protocol):
 
     def encode(self, record: dict) -> bytes: ...
 
+    def delta_fields(self, record: dict) -> dict:
+        """The fields a delta publish actually sends."""
+        ...
+
 
 class JsonCodec:
     name = "json"
@@ -34,6 +38,9 @@ class JsonCodec:
 
     def encode(self, record: dict) -> bytes:
         return orjson.dumps(record)
+
+    def delta_fields(self, record: dict) -> dict:
+        return record
 
 
 class AvroCodec:
@@ -64,6 +71,10 @@ class AvroCodec:
         out = io.BytesIO()
         self._fastavro.schemaless_writer(out, self.schema, record)
         return out.getvalue()
+
+    def delta_fields(self, record: dict) -> dict:
+        """An Avro record always carries every field: in a delta, null means "not sent"."""
+        return {k: self.delta_fields(v) if isinstance(v, dict) else v for k, v in record.items() if v is not None}
 
 
 def codec_for(message_type: str, schema: str | None = None, base: Path | None = None) -> Codec:

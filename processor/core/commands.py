@@ -71,6 +71,8 @@ def parse_command(
         if value is None:
             raise InputError(f"{command.value} has no value (a tombstone is not a record; use sow_delete)")
         record = codec.decode(value)
+        if command is Command.DELTA_PUBLISH:
+            record = codec.delta_fields(record)
         return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms)
     except KeyError_ as exc:
         raise InputError(str(exc)) from None
