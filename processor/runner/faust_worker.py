@@ -31,6 +31,7 @@ from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
 from ..kafka import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
 from ..topology import Topology
+from . import metrics
 from .registry import ensure_registry
 from .topic_processor import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
 from .web import install_web
@@ -151,14 +152,17 @@ class SowWorker:
                 ack(m)
 
     async def process(self, proc: SowTopicProcessor, messages: list[InputMessage]) -> None:
-        async with self.locks[proc.spec.topic]:
+        topic = proc.spec.topic
+        async with self.locks[topic]:
             for p in {m.partition for m in messages}:
                 await self._restore_locked(proc, p)
-            try:
-                await self._deliver(proc, proc.handle(messages))
-            except BaseException:
-                proc.rollback()
-                raise
+            with metrics.BATCH_SECONDS.labels(topic).time():
+                try:
+                    await self._deliver(proc, proc.handle(messages))
+                except BaseException:
+                    proc.rollback()
+                    raise
+            metrics.INPUTS.labels(topic).inc(len(messages))
 
     async def _deliver(self, proc: SowTopicProcessor, requests: list[ProduceRequest]) -> None:
         """Produce, wait for every delivery, then commit the stores with their changelog positions."""
@@ -173,14 +177,18 @@ class SowWorker:
                 p = msg.partition()
                 positions[p] = max(positions.get(p, 0), msg.offset() + 1)
 
+        counts: dict[str, int] = {}
         for r in requests:
             produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, delivered, r.timestamp)
+            counts[r.topic] = counts.get(r.topic, 0) + 1
         if requests:
             await asyncio.get_running_loop().run_in_executor(None, self.producer.flush)
         if failures:
             raise KafkaException(failures[0])
         for p in list(proc.stores):
             proc.commit(p, positions.get(p))
+        for topic, n in counts.items():
+            metrics.OUTPUTS.labels(topic).inc(n)
 
     # partitions: restore on assignment, close on revocation ---------------------------------
     def _owned(self, proc: SowTopicProcessor, tps) -> set[int]:

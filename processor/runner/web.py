@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from ..core.filters import FilterError
+from . import metrics
 from .query import SowQuery, run_query
 from .registry import REFRESH_S, REGISTRY_TOPIC, announcement
 
@@ -32,6 +33,13 @@ def install_web(worker: "SowWorker", app) -> None:
             return view.bytes(orjson.dumps({"error": str(exc)}), status=400, content_type="application/json")
         body = {"worker": url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
         return view.bytes(orjson.dumps(body), content_type="application/json")
+
+    @app.page("/metrics")
+    async def prometheus(view, request):
+        """Prometheus exposition of this worker's metrics."""
+        for topic, proc in worker.processors.items():
+            metrics.RECORDS.labels(topic).set(sum(proc.stores[p].count() for (t, p) in worker.ready if t == topic and p in proc.stores))
+        return view.bytes(metrics.exposition(), content_type="text/plain")
 
     @app.timer(REFRESH_S, name="ksow-registry")
     async def announce() -> None:

@@ -82,3 +82,24 @@ def test_delete_by_filter_reports_the_count_and_emits_deletes(cluster, kafka_boo
     assert len(deletes) == 20
     assert client.delete(topic, filter="1=1", wait=30) == 40
     wait_until(lambda: client.query(topic) == [])
+
+
+def test_workers_expose_prometheus_metrics(cluster):
+    import urllib.request
+
+    from processor.runner.registry import live_workers
+
+    topic, client = cluster
+    _load(client, topic, n=30)
+    workers = wait_until(lambda: (w := live_workers(client.bootstrap, client.group)) and len(w) == 2 and w)
+
+    def total(name, label):
+        value = 0.0
+        for w in workers:
+            text = urllib.request.urlopen(f"{w['url']}/metrics", timeout=10).read().decode()
+            value += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and f'topic="{label}"' in line)
+        return value
+
+    assert total("ksow_inputs_total", topic) == 30
+    assert total("ksow_sow_records", topic) == 30
+    assert total("ksow_outputs_total", f"{topic}.sow") == 30 and total("ksow_outputs_total", f"{topic}.diff") == 30
