@@ -440,3 +440,28 @@ def _conflate_event(pending: dict | None, event: dict) -> dict:
     if pending["op"] == "insert":
         merged["op"] = "insert"
     return merged
+
+
+# The same operations as plain functions, for scripts (each opens a Client for the call).
+def publish(topic: str, record: Any, *, bootstrap: str | None = None, topology: Topology | str | None = None, **options) -> str:
+    client = Client(bootstrap, topology)
+    try:
+        return client.publish(topic, record, **options)
+    finally:
+        client.close()
+
+
+def delete(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, **options) -> int | None:
+    client = Client(bootstrap, topology)
+    try:
+        return client.delete(topic, **options)
+    finally:
+        client.close()
+
+
+def query(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None, **options) -> list[SowEntry]:
+    return Client(bootstrap, topology, group).query(topic, **options)
+
+
+def subscribe(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, **options) -> Iterator[dict]:
+    return Client(bootstrap, topology).subscribe(topic, **options)
