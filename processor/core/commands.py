@@ -7,6 +7,7 @@ from typing import Iterable
 from ..api.types import Command, InputError, SowCommand
 from .codec import Codec
 from .durations import DurationError, parse_duration_ms
+from .filters import FilterError, compile_filter
 from .keys import KeyError_, KeySpec, validate_user_key
 
 H_COMMAND = "sow-command"
@@ -83,6 +84,10 @@ def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dic
         text = headers[H_FILTER].strip()
         if not text:
             raise InputError("empty sow-filter on sow_delete")
+        try:
+            compile_filter(text)
+        except FilterError as exc:
+            raise InputError(f"bad sow-filter: {exc}") from None
         return SowCommand(Command.SOW_DELETE, filter=text)
     if H_KEYS in headers:
         listed = tuple(k.strip() for k in headers[H_KEYS].split(",") if k.strip())

@@ -8,6 +8,7 @@ deletes by keys and by filter, expiry, and restoring partitions from the changel
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -23,6 +24,8 @@ from ..core.sow import Transition, apply_write, removal, render
 from ..state.base import IndexSpec, PartitionStore, open_partition_store
 from ..topology import CapacityPolicy, Persistence, SowTopic, View
 from .views import ViewProcessor
+
+log = logging.getLogger("ksow.processor")
 
 H_ORIGIN = "ksow-origin"  # internal: the command a rerouted message defaulted to on its first topic
 H_LOCAL = "ksow-local"  # internal: a fanned-out delete applies to this partition only
@@ -153,6 +156,9 @@ class SowTopicProcessor:
                 self._handle_one(msg, now, out)
             except InputError as exc:
                 out.append(self._error(msg, str(exc)))
+            except Exception as exc:  # a poison message must not stop the worker: park it with the reason
+                log.exception("could not apply %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+                out.append(self._error(msg, f"internal error: {type(exc).__name__}: {exc}"))
         return out
 
     def _handle_one(self, msg: InputMessage, now: int, out: list[ProduceRequest]) -> None:
@@ -160,7 +166,10 @@ class SowTopicProcessor:
         default = self._defaults.get(msg.topic)
         if default is None:  # the repartition topic: the first topic's default travels in a header
             origin = dict(msg.headers or ()).get(H_ORIGIN, b"publish")
-            default = Command(origin.decode())
+            try:
+                default = Command(origin.decode(errors="replace"))
+            except ValueError:
+                raise InputError(f"bad {H_ORIGIN} header {origin!r} on {msg.topic}") from None
         cmd = parse_command(self.spec.key_spec, self.codec, default, msg.value, headers)
         n = self.spec.partitions
         if cmd.sow_key is not None:

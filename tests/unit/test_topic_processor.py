@@ -182,3 +182,21 @@ def test_fanned_out_filter_delete_needs_filters(proc):
     out = by_topic(run(proc, local))
     assert len(out["orders.sow"]) == 4
     assert sum(proc.stores[p].count() for p in proc.stores) == 4
+
+
+def test_bad_filters_and_internal_headers_are_errors_not_crashes(proc):
+    out = run(proc, [
+        InputMessage("orders", 0, 0, b"k", None, [("sow-command", b"sow_delete"), ("sow-filter", b"/a = = 1")], 1),
+        InputMessage("orders.repartition", 0, 1, b"k", b'{"id": 1}', [("ksow-origin", b"bogus")], 1),
+    ])
+    assert [r.topic for r in out] == ["orders.errors", "orders.errors"]
+    assert b"bad sow-filter" in hdr(out[0], "sow-error") and b"ksow-origin" in hdr(out[1], "sow-error")
+
+
+def test_unexpected_failures_park_the_message(proc, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(proc, "_write", boom)
+    out = run(proc, [msg(proc, {"id": 1})])
+    assert [r.topic for r in out] == ["orders.errors"] and b"internal error: RuntimeError: disk on fire" in hdr(out[0], "sow-error")
