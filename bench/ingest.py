@@ -15,9 +15,14 @@ persistence persistent), keyed by SowKey so that no input needs repartitioning. 
           and the diff to `<topic>.limit.diff`, on the same input topics. No per-batch flush: it
           is the bound a Python process reaches with these libraries, not a durable design.
 
-The ratio compares steady states (worker / limit); the target of the issue is >= 0.33.
-With --runs R the figures are printed per run and as medians. Broker: $KAFKA_BOOTSTRAP, else
-the embedded one. --profile PATH runs the worker under cProfile (slower; for the breakdown).
+The ratio compares steady states (worker / limit); the target of the issue is >= 0.33. With
+--runs R the figures are printed per run and as medians, and R is the median of the per-run ratios
+(a worker and its limit run back to back, under the same machine load). CPU time per record (all
+threads, from /proc) is printed too: on a shared machine it varies much less than records/s.
+Broker: $KAFKA_BOOTSTRAP, else the embedded one. --profile PATH runs the worker under cProfile;
+--worker-wrapper SCRIPT runs `python SCRIPT up ...` instead of `ksow up` (experiments that patch
+the worker; its stderr lines starting with "BENCH " are echoed). KSOW_FAUST_STREAM=1 in the
+environment makes the worker use Faust's agent streams instead of the batch drain (before/after).
 Last line: `ingest: worker W rec/s, limit L rec/s, ratio R`.
 """
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import orjson
@@ -32,7 +33,7 @@ class KeySpec:
     domain: str
     paths: tuple[str, ...] = ()
 
-    @property
+    @cached_property
     def split(self) -> tuple[tuple[str, ...], ...]:
         return tuple(split_path(p) for p in self.paths)
 

@@ -76,7 +76,7 @@ def choose_index(predicate: Filter, indexes: tuple[tuple[str, ...], ...]) -> tup
 def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None, indexes, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
     if query.keys:
         for key in query.keys:
-            record = store.get(key)
+            record = store.committed(key)
             if record is not None:
                 yield key, record
         return
@@ -90,7 +90,7 @@ def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None
         for key in store.lookup(choice[0], values):
             if key not in seen:
                 seen.add(key)
-                record = store.get(key)
+                record = store.committed(key)
                 if record is not None:
                     yield key, record
 

@@ -86,17 +86,22 @@ def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
         consumer.close()
 
 
-def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict | None = None, starting: dict | None = None) -> DataFrame:
-    """The raw input messages (Spark's Kafka batch source), big fetches: Spark's defaults (500
+def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict | None = None, starting_timestamp: int | None = None) -> DataFrame:
+    """The raw input messages (Spark's Kafka batch source), from the start or from the first
+    offset whose timestamp is >= `starting_timestamp`, with big fetches: Spark's defaults (500
     records per poll, 1 MB per partition) made reading 3x slower here."""
     ends = ends or input_offsets(bootstrap, spec)
-    return (
+    reader = (
         spark.read.format("kafka")
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", f"{spec.topic},{spec.delta_topic}")
         .option("includeHeaders", "true")
-        .option("startingOffsets", json.dumps(starting) if starting else "earliest")
-        .option("endingOffsets", json.dumps(ends))
+        .option("startingOffsets", "earliest")
+    )
+    if starting_timestamp is not None:
+        reader = reader.option("startingTimestamp", str(starting_timestamp)).option("startingOffsetsByTimestampStrategy", "latest")
+    return (
+        reader.option("endingOffsets", json.dumps(ends))
         .option("failOnDataLoss", "false")
         .option("kafka.max.partition.fetch.bytes", str(16 << 20))
         .option("kafka.fetch.max.bytes", str(64 << 20))

@@ -103,6 +103,13 @@ class PartitionStore:
     def get(self, key: str) -> SowRecord | None:
         if key in self._staged:
             return self._staged[key]
+        if key in self._committed:
+            return self._committed[key]
+        record = self._committed[key] = self._load(key)  # read once per batch: stage() needs it too
+        return record
+
+    def committed(self, key: str) -> SowRecord | None:
+        """The committed version of a record, not cached (for queries outside a batch)."""
         return self._load(key)
 
     def _load(self, key: str) -> SowRecord | None:

@@ -1,0 +1,174 @@
+"""`ksow snapshot`, `ksow replay` and `ksow sql`: the Spark commands.
+
+`register(main)` adds them to the `ksow` group; nothing here imports pyspark until a command
+runs, so `ksow --help` and the other commands start without a JVM. Also runnable on its own:
+`python -m processor.spark_cli snapshot ...`.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import date, datetime
+from decimal import Decimal
+
+import click
+import orjson
+
+MASTER = click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="Spark master (env KSOW_SPARK_MASTER), e.g. local[2], spark://host:7077, yarn.")
+BOOTSTRAP = click.option("--bootstrap", envvar="KAFKA_BOOTSTRAP", default=None, help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP).")
+TOPOLOGY = click.option("--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False), help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).")
+
+
+def _write(line: bytes) -> None:
+    sys.stdout.buffer.write(line + b"\n")
+
+
+def _setup(bootstrap: str | None, topology: str | None, master: str, app: str):
+    """Bootstrap, topology and a SparkSession, or a clear error before any JVM starts."""
+    from .kafka import resolve_bootstrap
+    from .topology import TopologyError, load_topology
+
+    resolved = resolve_bootstrap(bootstrap)
+    if not resolved:
+        raise click.ClickException("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
+    try:
+        topo = load_topology(topology)
+    except TopologyError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise click.ClickException("the Spark commands need pyspark: pip install 'ksow[spark]'") from None
+    from .spark.session import get_spark
+
+    return resolved, topo, lambda: get_spark(master, app)
+
+
+def _spec(topo, topic: str):
+    from .topology import TopologyError
+
+    try:
+        return topo.topic(topic)
+    except TopologyError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _instant(text: str, option: str) -> int:
+    from .spark.snapshot import SnapshotError, parse_instant
+
+    try:
+        return parse_instant(text)
+    except SnapshotError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+def _json_default(value):
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode(errors="replace")
+    raise TypeError
+
+
+@click.command()
+@BOOTSTRAP
+@TOPOLOGY
+@MASTER
+@click.argument("topic")
+@click.option("--as-of", "as_of", required=True, help="The instant: epoch milliseconds or ISO-8601 (UTC unless a zone is given).")
+@click.option("--filter", "filter_", default=None, help="Keep only the records matching this filter.")
+@click.option("--out", default=None, type=click.Path(), help="Write Parquet here (sow_key, record, expires_at, updated_at) instead of JSON lines.")
+def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
+    """The SOW of TOPIC exactly as it stood at an instant, rebuilt from its input topics."""
+    from .core.filters import FilterError, compile_filter
+    from .spark.snapshot import SnapshotError
+    from .spark.snapshot import snapshot as build
+
+    instant = _instant(as_of, "--as-of")
+    if filter_:
+        try:
+            compile_filter(filter_)
+        except FilterError as exc:
+            raise click.BadParameter(str(exc), param_hint="--filter") from None
+    resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-snapshot")
+    spec = _spec(topo, topic)
+    try:
+        df = build(spark(), resolved, spec, instant, filter=filter_)
+        if out:
+            df.write.parquet(out)
+            click.echo(f"snapshot of {topic} at {instant} written to {out}", err=True)
+            return
+        for row in df.toLocalIterator():
+            head = orjson.dumps({"sow_key": row["sow_key"], "expires_at": row["expires_at"], "updated_at": row["updated_at"]})
+            _write(head[:-1] + b',"record":' + row["record"].encode() + b"}")
+    except SnapshotError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@BOOTSTRAP
+@TOPOLOGY
+@MASTER
+@click.argument("topic")
+@click.option("--from", "start", required=True, help="Start instant: epoch milliseconds or ISO-8601.")
+@click.option("--to", "end", default=None, help="End instant (default: everything so far).")
+def replay(bootstrap, topology, master, topic, start, end) -> None:
+    """The SOW of TOPIC at --from (op "sow"), then every change after it, as JSON lines."""
+    from .spark.replay import replay as run
+    from .spark.snapshot import SnapshotError
+
+    first = _instant(start, "--from")
+    last = _instant(end, "--to") if end else None
+    resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-replay")
+    spec = _spec(topo, topic)
+    try:
+        for item in run(spark(), resolved, spec, first, last):
+            _write(orjson.dumps(item))
+    except SnapshotError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@BOOTSTRAP
+@TOPOLOGY
+@MASTER
+@click.argument("query")
+@click.option("--out", default=None, type=click.Path(), help="Write the result as Parquet here instead of JSON lines.")
+def sql(bootstrap, topology, master, query, out) -> None:
+    """Spark SQL over the current SOW: each SOW topic is a view named like it (dots -> underscores)."""
+    from .spark.sql import run_sql
+
+    resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-sql")
+    session = spark()
+    try:
+        df = run_sql(session, resolved, topo, query)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # Spark's AnalysisException & co: show Spark's message, not a trace
+        if type(exc).__module__.startswith("pyspark"):
+            raise click.ClickException(str(exc).splitlines()[0]) from None
+        raise
+    if out:
+        df.write.parquet(out)
+        return
+    for row in df.toLocalIterator():
+        _write(orjson.dumps(row.asDict(recursive=True), default=_json_default))
+
+
+def register(group: click.Group) -> None:
+    """Add the Spark commands to the `ksow` group."""
+    for command in (snapshot, replay, sql):
+        group.add_command(command)
+
+
+@click.group()
+def main() -> None:
+    """ksow's Spark commands (normally reached as `ksow snapshot|replay|sql`)."""
+
+
+register(main)
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
