@@ -140,20 +140,6 @@ def test_snapshot_at_three_instants(spark, scripted, at):
     assert got == {k: (r.data, r.expires_at) for k, r in folded.items()}
 
 
-def test_snapshot_filter_and_cli_output(spark, scripted, tmp_path):
-    """--filter narrows the result; Parquet and JSON lines carry the same records."""
-    from processor.spark.snapshot import snapshot
-
-    rows = snapshot(spark, scripted.bootstrap, scripted.spec, T0 + 20000, filter="/id >= 4").collect()
-    assert sorted(orjson.loads(r["record"])["id"] for r in rows) == [4, 5]
-    out = tmp_path / "sow.parquet"
-    snapshot(spark, scripted.bootstrap, scripted.spec, T0 + 20000).write.parquet(str(out))
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(out).to_pylist()
-    assert {r["sow_key"] for r in table} == {scripted.keys[i] for i in (1, 4, 5)}
-
-
 def test_replay_from_instant(spark, scripted):
     """The snapshot at --from, then each change with the workers' ops and diffs, in order."""
     from processor.spark.replay import replay
@@ -209,56 +195,63 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     assert [r.asDict() for r in rows] == [{"region": "eu", "n": 2, "qty": 25}, {"region": "us", "n": 1, "qty": 7}]
 
 
-LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", "١٠"]
+LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
+POLICIES = [
+    dict(expiration=None),
+    dict(expiration="enabled"),
+    dict(expiration="30s"),
+    dict(expiration="30s", min_expiration="20s", max_expiration="1m"),
+    dict(expiration="enabled", max_expiration="1h"),
+    dict(expiration="enabled", min_expiration="1s"),
+]
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        dict(expiration=None),
-        dict(expiration="enabled"),
-        dict(expiration="30s"),
-        dict(expiration="30s", min_expiration="20s", max_expiration="1m"),
-        dict(expiration="enabled", max_expiration="1h"),
-        dict(expiration="enabled", min_expiration="1s"),
-    ],
-)
-def test_lifetime_expression_agrees_with_the_core(spark, policy):
-    """The Spark rendering of sow-expiration parsing + ExpiryPolicy.lifetime_ms equals the core."""
+def test_lifetime_expression_agrees_with_the_core(spark):
+    """The Spark rendering of sow-expiration parsing + ExpiryPolicy.lifetime_ms equals the core's."""
     from pyspark.sql import functions as F
 
     from processor.spark.snapshot import lifetime_expr
 
-    spec = SowTopic(topic="t", key=["/id"], **policy)
-    df = spark.createDataFrame([(c,) for c in LIFETIME_CASES] + [(None,)], "raw string")
-    valid, life = lifetime_expr(spec, F.col("raw"))
-    got = {r["raw"]: (r["valid"], r["life"]) for r in df.select("raw", valid.alias("valid"), life.alias("life")).collect()}
-    for raw in LIFETIME_CASES + [None]:
-        try:
-            expected = (True, spec.expiry.lifetime_ms(None if raw is None else parse_duration_ms(raw)))
-        except DurationError:
-            expected = (False, None)
-        if raw == "١٠":  # Python reads Arabic-Indic digits as a number; Spark's cast does not
-            assert got[raw][0] is False or got[raw] == expected
-            continue
-        assert (got[raw][0], got[raw][1] if got[raw][0] else None) == expected, raw
+    df = spark.createDataFrame([(c,) for c in LIFETIME_CASES], "raw string")
+    columns = []
+    for n, policy in enumerate(POLICIES):
+        valid, life = lifetime_expr(SowTopic(topic="t", key=["/id"], **policy), F.col("raw"))
+        columns += [valid.alias(f"v{n}"), life.alias(f"l{n}")]
+    rows = {r["raw"]: r for r in df.select("raw", *columns).collect()}
+    for n, policy in enumerate(POLICIES):
+        spec = SowTopic(topic="t", key=["/id"], **policy)
+        for raw in LIFETIME_CASES:
+            try:
+                expected = (True, spec.expiry.lifetime_ms(None if raw is None else parse_duration_ms(raw)))
+            except DurationError:
+                expected = (False, None)
+            row = rows[raw]
+            assert (row[f"v{n}"], row[f"l{n}"] if row[f"v{n}"] else None) == expected, (policy, raw)
 
 
-def test_snapshot_cli(scripted, tmp_path):
-    """`ksow snapshot` end to end (its own Spark process): JSON lines on stdout."""
-    import subprocess
-    import sys
+def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
+    """`ksow snapshot` (in-process, on the module's SparkSession): --filter, JSON lines, --out."""
+    from click.testing import CliRunner
+
+    from processor.spark_cli import main
 
     topo = tmp_path / "topo.yaml"
     topo.write_text(json.dumps({"sow": [{"topic": scripted.spec.topic, "key": ["/id"], "expiration": "enabled", "partitions": 2}]}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "processor.spark_cli", "snapshot", scripted.spec.topic, "--as-of", str(T0 + 10500),
-         "--bootstrap", scripted.bootstrap, "--topology", str(topo), "--master", "local[2]"],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {line["sow_key"]: line["record"] for line in lines} == {k: r for k, (r, _) in _as_sow(scripted, EXPECTED[10500]).items()}
+    common = ["--bootstrap", scripted.bootstrap, "--topology", str(topo), "--master", "local[2]"]
+    result = CliRunner().invoke(main, ["snapshot", scripted.spec.topic, "--as-of", str(T0 + 10500), "--filter", "/id >= 4", *common])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    want = _as_sow(scripted, EXPECTED[10500])
+    assert {x["sow_key"]: (x["record"], x["expires_at"]) for x in lines} == {scripted.keys[i]: want[scripted.keys[i]] for i in (4, 5)}
+
+    out = tmp_path / "sow.parquet"
+    iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime((T0 + 20000) / 1000)) + "Z"
+    result = CliRunner().invoke(main, ["snapshot", scripted.spec.topic, "--as-of", iso, "--out", str(out), *common])
+    assert result.exit_code == 0, result.output
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out).to_pylist()
+    assert {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in table} == _as_sow(scripted, EXPECTED[20000])
 
 
 def test_fold_history_is_order_independent(scripted):
