@@ -30,6 +30,9 @@ from .runner.query import SowQuery, order_and_cut, result, selection
 from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
 
 
+REGISTRY_CACHE_S = 2.0  # how long a client trusts its list of workers (a miss re-reads it at once)
+
+
 class ClientError(ValueError):
     """A request the client refuses before anything is sent (bad JSON, missing key field...)."""
 
@@ -70,6 +73,7 @@ class Client:
         self._producer = None
         self.group = group or os.environ.get("KSOW_GROUP") or "ksow"
         self.last_query_source: str | None = None
+        self._registry: tuple[float, list[dict]] | None = None
 
     # helpers ------------------------------------------------------------------------------
     def spec(self, topic: str) -> SowTopic:
@@ -233,11 +237,9 @@ class Client:
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from .runner.registry import live_workers
-
         params = urllib.parse.urlencode(query.to_params())
         for attempt in range(attempts):
-            workers = [w for w in live_workers(self.bootstrap, self.group) if spec.topic in w["topics"]]
+            workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
             with ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
@@ -257,6 +259,15 @@ class Client:
                 return order_and_cut(list(rows.values()), query, lambda r: r["record"])
             time.sleep(0.5 * (attempt + 1))  # a rebalance is moving partitions: ask again
         return None
+
+    def _workers(self, fresh: bool = False) -> list[dict]:
+        """The group's live workers, re-read from the registry at most every REGISTRY_CACHE_S."""
+        from .runner.registry import live_workers
+
+        now = time.monotonic()
+        if fresh or self._registry is None or now - self._registry[0] > REGISTRY_CACHE_S:
+            self._registry = (now, live_workers(self.bootstrap, self.group))
+        return self._registry[1]
 
     def _query_changelog(self, spec: SowTopic, query: SowQuery) -> list[dict]:
         sub = self._subscription_spec(spec, query.filter)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 from ..api.types import SowRecord
 from ..core.filters import Filter, compile_filter
 from ..core.paths import MISSING, get_path, project, split_path
-from ..state.base import PartitionStore, decode_data, decode_record
+from ..state.base import PartitionStore
 
 
 @dataclass
@@ -96,15 +96,11 @@ def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None
 
 
 def _scan(stores: list[PartitionStore], predicate: Filter, plan: QueryPlan) -> list[tuple[str, SowRecord]]:
-    """The full-scan path, kept tight: decode the fields, filter, and build records only for matches."""
-    matches = predicate.matches
     rows = []
     for store in stores:
-        for kb, raw in store.scan_data():
-            plan.candidates += 1
-            data = decode_data(raw)
-            if matches(data):
-                rows.append((kb.decode(), decode_record(raw, data)))
+        matched, read = store.select(predicate.matches)
+        rows += matched
+        plan.candidates += read
     return rows
 
 

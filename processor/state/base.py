@@ -74,13 +74,8 @@ def encode_record(record: SowRecord) -> bytes:
 def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
     seq, expires, updated = _HEADER.unpack_from(raw)
     if data is None:
-        data = decode_data(raw)
+        data = orjson.loads(raw[_HEADER.size :])
     return SowRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated)
-
-
-def decode_data(raw: bytes) -> dict:
-    """Only the record's fields, without the header (what a filter needs)."""
-    return orjson.loads(memoryview(raw)[_HEADER.size :])
 
 
 def index_value_hash(values: tuple) -> bytes:
@@ -127,11 +122,18 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
-    def scan_data(self) -> Iterator[tuple[bytes, bytes]]:
-        """(SowKey bytes, stored bytes) of committed records: the scan path of queries, which decodes
-        only the record data to filter it and builds a SowRecord only for matches."""
-        for k, v in self.backend.scan(_REC, _REC + _END):
-            yield k[1:], v
+    def select(self, predicate) -> tuple[list[tuple[str, SowRecord]], int]:
+        """Committed records whose data satisfies `predicate`, and how many were read: the scan path
+        of queries, kept to one loop that decodes only the fields and builds records for matches."""
+        loads, size = orjson.loads, _HEADER.size
+        out = []
+        read = 0
+        for k, raw in self.backend.scan(_REC, _REC + _END):
+            read += 1
+            data = loads(raw[size:])
+            if predicate(data):
+                out.append((k[1:].decode(), decode_record(raw, data)))
+        return out, read
 
     def count(self) -> int:
         """Committed records."""
