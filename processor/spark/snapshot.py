@@ -143,7 +143,7 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     unit_ms = F.lit(_UNITS_MS["s"]).cast("long")
     for name, size in _UNITS_MS.items():
         unit_ms = F.when(unit == name, F.lit(size).cast("long")).otherwise(unit_ms)
-    header_ms = F.bround(number.cast("double") * unit_ms, 0).cast("long")
+    header_ms = F.bround(number.try_cast("double") * unit_ms, 0).cast("long")
     valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
     policy = spec.expiry
     default = policy.default_ms if policy.mode is ExpirationMode.DEFAULT else None
