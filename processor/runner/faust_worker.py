@@ -277,6 +277,9 @@ class SowWorker:
         self.create_topics()
         os.environ.setdefault("F_BLOCKING_TIMEOUT", "0")
         worker = faust.Worker(self.app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        # Faust's terminal spinner (installed at loglevel warning and above) also turns the root
+        # logger to DEBUG, so every debug line in the hot path would be formatted: none of that.
+        worker.spinner = None
         worker.execute_from_commandline()
 
 
