@@ -238,5 +238,14 @@ def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_em
             pass
 
 
+def _register_spark_commands() -> None:
+    from .spark_cli import register
+
+    register(main)
+
+
+_register_spark_commands()
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
