@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..api.types import Command, InputError, Op, OutputEvent, SowCommand, SowRecord
+from ..api.types import Command, InputError, Op, SowCommand, SowRecord
 from ..core.codec import Codec, codec_for
 from ..core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
 from ..core.expiry import is_due
@@ -312,14 +312,5 @@ class SowTopicProcessor:
             self._emit(p, removal(Op.DELETE, key, record, now, self.next_seq(p, now)), out)
         return out
 
-    def output_topics(self) -> list[str]:
-        spec = self.spec
-        names = [spec.sow_topic, spec.diff_topic, spec.errors_topic, spec.repartition_topic, spec.dead_topic]
-        if spec.expired_topic:
-            names.append(spec.expired_topic)
-        for view in self.views:
-            names += [view.sow_topic, view.diff_topic]
-        return names
 
-
-__all__ = ["InputMessage", "OutputEvent", "ProduceRequest", "SowTopicProcessor"]
+__all__ = ["InputMessage", "ProduceRequest", "SowTopicProcessor"]
