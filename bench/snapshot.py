@@ -6,8 +6,8 @@ A deterministic history (70% full publishes on `<topic>`, 30% nested deltas on `
 1% deletes by data, 5% with a `sow-expiration` header, 0.1% malformed) is produced once with
 confluent-kafka (lz4, big batches, explicit timestamps 1 ms apart) into topics named after its
 size, and reused by later runs. Then, over the same history and the same instant (the end of it):
-  - spark: `processor.spark.snapshot.snapshot` from the Kafka read to the records in the driver's
-    hands (count), the SparkSession already started (its start is printed separately);
+  - spark: `processor.spark.snapshot.snapshot` from the Kafka read to the SOW written as Parquet
+    (what `ksow snapshot --out` does), the SparkSession already started (printed separately);
   - loop: confluent-kafka reads everything, sorts it into history order and folds it with
     `processor.spark.history.SowFold` (the core's parse_command + merge, one message at a time).
 Both SOWs are compared (same keys, same records) before the figures are printed.
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import orjson  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 from confluent_kafka import KafkaException, TopicPartition  # noqa: E402
 
 from bench.common import kafka_bootstrap, log  # noqa: E402
@@ -184,16 +187,19 @@ def main() -> None:
         ensure_history(bootstrap, spec, args.events, args.keys)
 
         from processor.spark.session import get_spark
-        from processor.spark.snapshot import snapshot
+        from processor.spark.snapshot import write_snapshot
 
         t = time.perf_counter()
         spark = get_spark(args.master, "ksow-bench-snapshot")
         log(f"spark: session started in {time.perf_counter() - t:.1f}s ({args.master})")
+        out = Path(tempfile.mkdtemp(prefix="ksow-bench-snapshot-")) / "sow.parquet"
         t = time.perf_counter()
-        rows = snapshot(spark, bootstrap, spec, as_of).collect()
+        passes = write_snapshot(spark, bootstrap, spec, as_of, str(out))
         spark_s = time.perf_counter() - t
         spark_rate = args.events / spark_s
-        log(f"spark: {len(rows):,} records in {spark_s:.1f}s = {spark_rate:,.0f} events/s")
+        rows = pq.read_table(out).to_pylist()
+        shutil.rmtree(out.parent)
+        log(f"spark: {len(rows):,} records written as Parquet in {spark_s:.1f}s ({passes} pass) = {spark_rate:,.0f} events/s")
         if args.skip_loop:
             print(f"snapshot: spark {spark_rate:,.0f} events/s")
             return

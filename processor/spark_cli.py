@@ -8,6 +8,7 @@ runs, so `ksow --help` and the other commands start without a JVM. Also runnable
 from __future__ import annotations
 
 import sys
+import tempfile
 from datetime import date, datetime
 from decimal import Decimal
 
@@ -83,8 +84,7 @@ def _json_default(value):
 def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
     """The SOW of TOPIC exactly as it stood at an instant, rebuilt from its input topics."""
     from .core.filters import FilterError, compile_filter
-    from .spark.snapshot import SnapshotError
-    from .spark.snapshot import snapshot as build
+    from .spark.snapshot import SnapshotError, write_snapshot
 
     instant = _instant(as_of, "--as-of")
     if filter_:
@@ -95,16 +95,26 @@ def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
     resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-snapshot")
     spec = _spec(topo, topic)
     try:
-        df = build(spark(), resolved, spec, instant, filter=filter_)
         if out:
-            df.write.parquet(out)
+            write_snapshot(spark(), resolved, spec, instant, out, filter_)
             click.echo(f"snapshot of {topic} at {instant} written to {out}", err=True)
             return
-        for row in df.toLocalIterator():
-            head = orjson.dumps({"sow_key": row["sow_key"], "expires_at": row["expires_at"], "updated_at": row["updated_at"]})
-            _write(head[:-1] + b',"record":' + row["record"].encode() + b"}")
+        with tempfile.TemporaryDirectory(prefix="ksow-snapshot-") as tmp:
+            path = f"{tmp}/sow.parquet"
+            write_snapshot(spark(), resolved, spec, instant, path, filter_)
+            _print_parquet(path)
     except SnapshotError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _print_parquet(path: str) -> None:
+    """JSON lines from a snapshot's Parquet: the record text is copied as Spark wrote it."""
+    import pyarrow.parquet as pq
+
+    for batch in pq.read_table(path).to_batches():
+        for row in batch.to_pylist():
+            head = orjson.dumps({"sow_key": row["sow_key"], "expires_at": row["expires_at"], "updated_at": row["updated_at"]})
+            _write(head[:-1] + b',"record":' + row["record"].encode() + b"}")
 
 
 @click.command()

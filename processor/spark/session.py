@@ -109,6 +109,8 @@ def get_spark(master: str | None = None, app_name: str = "ksow", conf: dict[str,
         "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
         "spark.sql.variant.allowDuplicateKeys": "true",  # as orjson: the last duplicate wins
         "spark.kafka.consumer.cache.capacity": "256",
+        # collect_list per key group: stay hash-based (the default switches to sorting at 128 keys)
+        "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "10000000",
     }
     # Python workers run this interpreter (with pandas, pyarrow and ksow), not whatever `python3` is.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

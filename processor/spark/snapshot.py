@@ -170,7 +170,7 @@ def _variant_path(parts: tuple[str, ...]) -> str:
     return "$" + "".join(segments)
 
 
-def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: int | None = None) -> DataFrame:
+def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: int | None = None, specials_only: bool = False) -> DataFrame:
     """One row per input the worker would apply (rejected ones dropped), with its history order,
     kind (publish | delta | delete | filter | keys), key group, lifetime and value.
 
@@ -181,6 +181,8 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: in
 
     if spec.message_type is not MessageType.JSON:
         raise SnapshotError(f"{spec.topic}: Spark snapshots read JSON topics (message_type {spec.message_type.value} is not supported)")
+    # Staged projections: each costly expression (the JSON parse above all) is computed once into
+    # a column that later stages reference (Spark does not inline non-cheap aliases used twice).
     df = raw.select(
         F.unix_millis("timestamp").alias("ts"),
         (F.col("topic") == spec.delta_topic).cast("int").alias("rank"),
@@ -196,75 +198,85 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: in
         df = df.where(F.col("ts") > after)
 
     known = ", ".join(f"'{h}'" for h in sorted(KNOWN_INPUT_HEADERS))
-    bad_header = F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))")
-    cmd_raw = _header(H_COMMAND)
-    command = F.when(cmd_raw.isNull(), F.when(F.col("rank") == 1, "delta_publish").otherwise("publish")).otherwise(F.lower(_strip(cmd_raw)))
-    exp_valid, life = lifetime_expr(spec, _header(H_EXPIRATION))
-
-    text = F.col("value").cast("string")
-    variant = F.expr("try_parse_json(cast(value AS string))")
-    is_object = variant.isNotNull() & F.expr("is_valid_utf8(cast(value AS string))") & F.regexp_like(text, F.lit(r"^[ \t\n\r]*\{"))
-    header_key = _header(H_KEY)
+    df = df.select(
+        "*",
+        F.col("value").cast("string").alias("text"),
+        F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))").alias("bad_header"),
+        _header(H_COMMAND).alias("cmd_raw"),
+        _header(H_EXPIRATION).alias("exp_raw"),
+        _header(H_KEY).alias("key_raw"),
+        _header(H_FILTER).alias("filter_raw"),
+        _header(H_KEYS).alias("keys_raw"),
+    )
+    col = F.col
+    if specials_only:  # deletes by filter / SowKeys carry a sow-command and one of these headers
+        df = df.where(col("cmd_raw").isNotNull() & (col("filter_raw").isNotNull() | col("keys_raw").isNotNull() | col("key_raw").isNotNull()))
+    df = df.select("*", F.expr("try_parse_json(text)").alias("v"))
+    exp_valid, life = lifetime_expr(spec, col("exp_raw"))
+    header_key = col("key_raw")
     key_ok = header_key.isNotNull() & (header_key != "") & F.regexp_like(header_key, F.lit(_BASE64_CHARS.pattern))
     if spec.key_spec.user_keys:
-        grp, grp_ok = header_key, key_ok
+        df = df.select("*", header_key.alias("grp0"), key_ok.alias("grp_ok"))
     else:
-        texts = [F.to_json(F.variant_get(variant, _variant_path(parts), "variant")) for parts in spec.key_spec.split]
+        paths = spec.key_spec.split
+        df = df.select("*", *[F.to_json(F.variant_get("v", _variant_path(parts), "variant")).alias(f"k{n}") for n, parts in enumerate(paths)])
+        texts = [col(f"k{n}") for n in range(len(paths))]
         grp_ok = F.lit(True)
         for t in texts:  # present, not null, a scalar
             grp_ok = grp_ok & t.isNotNull() & (t != "null") & ~F.substring(t, 1, 1).isin("{", "[")
-        grp = F.concat(F.lit("["), F.concat_ws(",", *texts), F.lit("]"))
-    record_ok = is_object & grp_ok
+        df = df.select("*", F.concat(F.lit("["), F.concat_ws(",", *texts), F.lit("]")).alias("grp0"), grp_ok.alias("grp_ok"))
 
-    filter_raw = _header(H_FILTER)
-    filter_text = _strip(filter_raw)
-    keys_raw = _header(H_KEYS)
-    keys_list = F.filter(F.transform(F.split(keys_raw, ","), lambda k: _strip(k)), lambda k: k != "")
+    command = F.when(col("cmd_raw").isNull(), F.when(col("rank") == 1, "delta_publish").otherwise("publish")).otherwise(F.lower(_strip(col("cmd_raw"))))
+    is_object = col("v").isNotNull() & F.expr("is_valid_utf8(text)") & F.regexp_like(col("text"), F.lit(r"^[ \t\n\r]*\{"))
+    record_ok = is_object & col("grp_ok")
+    filter_text = _strip(col("filter_raw"))
+    keys_list = F.filter(F.transform(F.split(col("keys_raw"), ","), lambda k: _strip(k)), lambda k: k != "")
     keys_ok = (F.size(keys_list) > 0) & F.forall(keys_list, lambda k: F.regexp_like(k, F.lit(_BASE64_CHARS.pattern)))
-    has_value = F.col("value").isNotNull() & (F.length("value") > 0)
+    has_value = col("value").isNotNull() & (F.length("value") > 0)
     header_key_set = header_key.isNotNull() & (header_key != "")
-
-    is_delete = command == "sow_delete"
     kind = (
-        F.when(bad_header | ~exp_valid, None)
+        F.when(col("bad_header") | ~exp_valid, None)
         .when(command.isin("publish", "delta_publish"), F.when(record_ok, F.when(command == "publish", "publish").otherwise("delta")))
-        .when(~is_delete, None)
-        .when(filter_raw.isNotNull(), F.when(filter_text != "", "filter"))
-        .when(keys_raw.isNotNull(), F.when(keys_ok, "keys"))
+        .when(command != "sow_delete", None)
+        .when(col("filter_raw").isNotNull(), F.when(filter_text != "", "filter"))
+        .when(col("keys_raw").isNotNull(), F.when(keys_ok, "keys"))
         .when(has_value, F.when(record_ok, "delete"))
         .when(header_key_set, F.when(key_ok, "keys"))
     )
-    sow_keys = F.when(keys_raw.isNotNull(), keys_list).otherwise(F.array(header_key))
+    df = df.select(*ORDER, "topic", "value", "text", "headers", "grp0", "filter_raw", "keys_raw", "key_raw", kind.alias("kind"), life.alias("life"))
+    df = df.where(col("kind").isNotNull())
+    sow_keys = F.when(col("keys_raw").isNotNull(), keys_list).otherwise(F.array(header_key))
     return df.select(
         *ORDER,
         "topic",
         "value",
+        "text",
         "headers",
-        kind.alias("kind"),
-        F.when(kind.isin("publish", "delta", "delete"), grp).alias("grp"),
-        life.alias("life"),
-        F.when(kind == "filter", filter_text).alias("filter"),
-        F.when(kind == "keys", sow_keys).alias("sow_keys"),
-    ).where(F.col("kind").isNotNull())
+        "kind",
+        F.when(col("kind").isin("publish", "delta", "delete"), col("grp0")).alias("grp"),
+        "life",
+        F.when(col("kind") == "filter", filter_text).alias("filter"),
+        F.when(col("kind") == "keys", sow_keys).alias("sow_keys"),
+    )
 
 
 # the per-group aggregation --------------------------------------------------------------------------
-def aggregate(events: DataFrame) -> DataFrame:
-    """Per key group: the latest base (publish or delete), every delta, the first input; the group
-    of no key (grp null) carries the deletes by filter and by SowKeys."""
+def aggregate(events: DataFrame, with_first: bool = False) -> DataFrame:
+    """Per key group: the latest base (publish or delete) and every delta; with `with_first`, the
+    group's first input too (to tell which groups a delete by filter may have touched)."""
     from pyspark.sql import functions as F
 
     order = [F.col(c) for c in ORDER]
     kind = F.col("kind")
-    payload = F.struct(*order, (kind == "delete").alias("deleted"), "life", F.col("value").cast("string").alias("value"))
-    delta = F.struct(*order, "life", F.col("value").cast("string").alias("value"))
-    special = F.struct(*order, "kind", "filter", "sow_keys", "topic", "value", "headers")
-    return events.groupBy("grp").agg(
+    payload = F.struct(*order, (kind == "delete").alias("deleted"), "life", F.col("text").alias("value"))
+    delta = F.struct(*order, "life", F.col("text").alias("value"))
+    columns = [
         F.max(F.when(kind.isin("publish", "delete"), payload)).alias("base"),
         F.collect_list(F.when(kind == "delta", delta)).alias("deltas"),
-        F.min(F.struct(*order)).alias("first"),
-        F.collect_list(F.when(kind.isin("filter", "keys"), special)).alias("specials"),
-    )
+    ]
+    if with_first:
+        columns.append(F.min(F.struct(*order)).alias("first"))
+    return events.where(F.col("grp").isNotNull()).groupBy("grp").agg(*columns)
 
 
 def _order_of(struct_col: str) -> Column:
@@ -287,7 +299,7 @@ def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
         F.col("base").isNotNull() & ~F.col("base.deleted"),
         F.concat(F.array(F.struct(*[F.col(f"base.{c}").alias(c) for c in ORDER], F.col("base.life").alias("life"), F.col("base.value").alias("value"))), F.array_sort(after)),
     ).otherwise(F.array_sort(after))
-    df = groups.select("grp", "sow_key", writes.alias("w"))
+    df = groups.select("grp", writes.alias("w"))
     if spec.expiry.active:
         # Write j starts anew when write j-1's record expired at or before j's timestamp.
         expired_before = F.expr(
@@ -295,75 +307,68 @@ def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
             "w[j - 1].life IS NOT NULL AND w[j - 1].ts + w[j - 1].life <= w[j].ts)"
         )
         start = F.coalesce(F.array_max(expired_before), F.lit(0))
-        df = df.select("grp", "sow_key", F.slice("w", start + 1, F.size("w")).alias("w"))
-    last = F.element_at("w", -1)
+        df = df.select("grp", F.slice("w", start + 1, F.size("w")).alias("w"))
+    last = F.try_element_at("w", F.lit(-1))
     return df.where(F.size("w") > 0).select(
         "grp",
-        "sow_key",
         F.col("w.value").alias("values"),
         F.when(last["life"].isNotNull(), last["ts"] + last["life"]).alias("expires_at"),
         last["ts"].alias("updated_at"),
     )
 
 
-MAX_PLANNED_LEVELS = 12  # deeper (or brace-heavy) deltas: levels are discovered one action each
+MERGE_LEVELS = 6  # nested object levels merged by Spark; records with deeper deltas use the core's merge
 
 
-def _merge_chains(chained: DataFrame, levels: int | None) -> DataFrame:
-    """Merged record text for groups whose chain has more than one write, by paths.
-
-    An entry (write i, path p) survives when no later write holds p as a non-object, nor any
-    ancestor of p as a non-object, and (for non-objects) no later write holds p at all. So per
-    level: for each path, L = the last write holding it as a non-object; a non-object survives if
-    it is the last holder; objects after L survive and their children are the next level. Then the
-    surviving leaves and objects are assembled back into JSON text, deepest level first.
-    `levels` bounds the depth (planned in one job); None discovers it level by level.
-    """
-    from pyspark import StorageLevel
-    from pyspark.sql import Window
+def _merge_maps(acc: Column, new: Column, levels: int) -> Column:
+    """`processor.core.merge.merge` as a Spark expression over map<string, variant>: a field of the
+    delta replaces the record's, except that an object meeting an object merges field by field,
+    down to `levels` nested levels."""
     from pyspark.sql import functions as F
 
-    nodes = chained.select("grp", F.posexplode("values").alias("i", "value")).select(
-        "grp", F.array().cast("array<string>").alias("path"), "i", F.expr("parse_json(value)").alias("node")
-    )
-    per_path = Window.partitionBy("grp", "path")
-    leaves, objects = [], [nodes.select("grp", "path").distinct()]
-    depth = 0
-    while True:
-        children = nodes.select(
-            "grp", "path", "i", F.explode(F.expr("cast(node AS map<string, variant>)")).alias("name", "child")
-        ).select("grp", F.concat("path", F.array("name")).alias("path"), "i", "child", F.to_json("child").alias("text"))
-        children = children.select(
-            "*",
-            (F.substring("text", 1, 1) == "{").alias("is_obj"),
-            F.max(F.when(F.substring("text", 1, 1) != "{", F.col("i"))).over(per_path).alias("last_leaf"),
-            F.max("i").over(per_path).alias("last"),
-        )
-        if levels is None:
-            children = children.persist(StorageLevel.MEMORY_AND_DISK)
-        leaves.append(children.where(~F.col("is_obj") & (F.col("i") == F.col("last"))).select("grp", "path", "text"))
-        nodes = children.where(F.col("is_obj") & (F.col("last_leaf").isNull() | (F.col("i") > F.col("last_leaf")))).select(
-            "grp", "path", "i", F.col("child").alias("node")
-        )
-        depth += 1
-        if (levels is not None and depth >= levels) or (levels is None and nodes.isEmpty()):
-            break
-        objects.append(nodes.select("grp", "path").distinct())
+    def field(name: Column, value: Column) -> Column:
+        if levels == 0:
+            return value
+        new_obj = value.try_cast("map<string,variant>")
+        old_obj = F.try_element_at(acc, name).try_cast("map<string,variant>")
+        both = new_obj.isNotNull() & old_obj.isNotNull()
+        return F.when(both, F.to_variant_object(_merge_maps(old_obj, new_obj, levels - 1))).otherwise(value)
 
-    # Assemble: an object's text is {"name":text,...} over its surviving children, deepest first.
-    name_json = F.expr("substring(to_json(array(name)), 2, length(to_json(array(name))) - 2)")
-    assembled = None
-    for depth in range(len(objects) - 1, -1, -1):
-        kids = leaves[depth] if assembled is None else leaves[depth].unionByName(assembled)
-        entries = kids.select(
-            "grp", F.slice("path", 1, F.size("path") - 1).alias("parent"), F.element_at("path", -1).alias("name"), "text"
-        ).select("grp", "parent", "name", F.concat(name_json, F.lit(":"), "text").alias("pair"))
-        texts = entries.groupBy("grp", F.col("parent").alias("path")).agg(
-            F.concat(F.lit("{"), F.array_join(F.array_sort(F.collect_list(F.struct("name", "pair"))).getField("pair"), ","), F.lit("}")).alias("text")
-        )
-        assembled = objects[depth].join(texts, ["grp", "path"], "left").select("grp", "path", F.coalesce("text", F.lit("{}")).alias("text"))
-    assert assembled is not None
-    return assembled.select("grp", F.col("text").alias("record"))
+    kept = F.map_filter(acc, lambda name, _: ~F.array_contains(F.map_keys(new), name))
+    return F.map_concat(kept, F.transform_values(new, field))
+
+
+def _merge_in_python():
+    """The core's merge over a chain's JSON values: for records nested deeper than MERGE_LEVELS."""
+    import functools
+
+    import orjson
+
+    from ..core.merge import merge
+
+    return _series_udf(lambda values: orjson.dumps(functools.reduce(merge, (orjson.loads(v) for v in values))).decode(), "string")
+
+
+def records(chained: DataFrame) -> DataFrame:
+    """Record text per group, all within the group's row (no shuffle): a chain of one write is
+    that write's value as published; longer chains fold `_merge_maps` over their VARIANT values.
+    Chains that may nest deeper than MERGE_LEVELS (judged by an upper bound: an object level
+    needs a '{') go through the core's merge in Python instead."""
+    from pyspark.sql import functions as F
+
+    def as_map(text: Column) -> Column:
+        return F.parse_json(text).try_cast("map<string,variant>")
+
+    braces = F.aggregate("values", F.lit(0), lambda acc, v: F.greatest(acc, F.length(v) - F.length(F.regexp_replace(v, r"\{", ""))))
+    folded = F.aggregate(F.slice("values", 2, F.size("values")), as_map(F.col("values")[0]), lambda acc, v: _merge_maps(acc, as_map(v), MERGE_LEVELS))
+    shallow = chained.where(braces <= MERGE_LEVELS + 1).select(
+        "grp",
+        F.when(F.size("values") == 1, F.col("values")[0]).otherwise(F.to_json(F.to_variant_object(folded))).alias("record"),
+        "expires_at",
+        "updated_at",
+    )
+    deep = chained.where(braces > MERGE_LEVELS + 1).select("grp", _merge_in_python()("values").alias("record"), "expires_at", "updated_at")
+    return shallow.unionByName(deep)
 
 
 def _series_udf(fn, return_type: str):
@@ -397,13 +402,13 @@ def _filter_udf(text: str):
     return _series_udf(lambda r: predicate.matches(orjson.loads(r)), "boolean")
 
 
-def _fold_groups(spark: SparkSession, spec: SowTopic, events: DataFrame, specials: list, as_of: int) -> DataFrame:
+def _fold_groups(spec: SowTopic, events: DataFrame, specials: list, as_of: int) -> DataFrame:
     """The reference fold for key groups that a delete by filter may have touched: each group's
     inputs plus every delete by filter or SowKeys, through `history.SowFold` (per group, pandas)."""
     import pandas as pd
 
     from ..runner.topic_processor import InputMessage
-    from .history import SowFold
+    from .history import SowFold, topic_rank
 
     def message(row) -> InputMessage:
         headers = [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]] if row["headers"] is not None else None
@@ -415,44 +420,69 @@ def _fold_groups(spark: SparkSession, spec: SowTopic, events: DataFrame, special
     def fold(frame: pd.DataFrame) -> pd.DataFrame:
         fold = SowFold(spec)
         own = [message(r) for r in frame.to_dict("records")]
-        for msg in sorted(own + shared, key=lambda m: (m.timestamp, int(m.topic == spec.delta_topic), m.partition, m.offset)):
+        for msg in sorted(own + shared, key=lambda m: (m.timestamp, topic_rank(spec, m.topic), m.partition, m.offset)):
             fold.apply(msg)
         rows = [(k, fold.codec.encode(r.data).decode(), r.expires_at, r.updated_at) for k, r in fold.as_of(as_of).items()]
         return pd.DataFrame(rows, columns=["sow_key", "record", "expires_at", "updated_at"])
 
-    columns = [*ORDER, "topic", "value", "headers", "grp"]
-    return events.select(*columns).groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
+    return events.select(*ORDER, "topic", "value", "headers", "grp").groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
 
 
-def snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, filter: str | None = None, ends: dict | None = None) -> DataFrame:
-    """The SOW at `as_of` (epoch ms): columns sow_key, record (JSON text), expires_at, updated_at."""
-    from pyspark import StorageLevel
+def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, ends: dict) -> list:
+    """The deletes by filter (that parse) and by SowKeys up to `as_of`. Only sow_delete messages
+    with a sow-filter, sow-keys or sow-key header can be one, and that is decided on headers
+    before any JSON is parsed, so this pass costs about one read of the topics."""
     from pyspark.sql import functions as F
 
     from ..core.filters import FilterError, compile_filter
 
-    matches = _filter_udf(filter) if filter else None
-    ends = ends or input_offsets(bootstrap, spec)
-    events = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of)
-    groups = aggregate(events).persist(StorageLevel.MEMORY_AND_DISK)
-    specials = [s for row in groups.where(F.col("grp").isNull()).select("specials").collect() for s in row["specials"]]
-    groups = groups.where(F.col("grp").isNotNull())
-    if spec.key_spec.user_keys:
-        groups = groups.withColumn("sow_key", F.col("grp"))
-    else:
-        groups = groups.withColumn("sow_key", _sow_key_udf(spec)("grp"))
-
-    filters = []
-    for s in specials:
-        if s["kind"] == "filter":
+    rows = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
+        *ORDER, "kind", "filter", "sow_keys", "topic", "value", "headers"
+    ).where(F.col("kind").isin("filter", "keys")).collect()
+    out = []
+    for row in rows:
+        if row["kind"] == "filter":
             try:
-                compile_filter(s["filter"])
+                compile_filter(row["filter"])
             except FilterError:
                 continue  # the worker cannot apply it either
-            filters.append(s)
+        out.append(row)
+    return out
+
+
+def snapshot(
+    spark: SparkSession,
+    bootstrap: str,
+    spec: SowTopic,
+    as_of: int,
+    filter: str | None = None,
+    ends: dict | None = None,
+    specials: list | None = None,
+    observation: Any = None,
+) -> DataFrame:
+    """The SOW at `as_of` (epoch ms): columns sow_key, record (JSON text), expires_at, updated_at.
+
+    `specials` are the deletes by filter / SowKeys (`scan_specials`; found here when None). With
+    `specials=[]` and an `observation`, the plan assumes there are none and the observation
+    counts them (metric "specials") so the caller can redo the job: see `write_snapshot`.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    matches = _filter_udf(filter) if filter else None
+    ends = ends or input_offsets(bootstrap, spec)
+    if specials is None:
+        specials = scan_specials(spark, bootstrap, spec, as_of, ends)
+    events = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of)
+    if observation is not None:
+        events = events.observe(observation, F.count(F.when(F.col("kind").isin("filter", "keys"), 1)).alias("specials"))
+    filters = [s for s in specials if s["kind"] == "filter"]
     keyed = [(k, tuple(s[c] for c in ORDER)) for s in specials if s["kind"] == "keys" for k in s["sow_keys"]]
+    groups = aggregate(events, with_first=bool(filters))
+    sow_key = F.col("grp") if spec.key_spec.user_keys else _sow_key_udf(spec)("grp")
 
     if keyed:  # a delete by SowKey becomes the group's base when it is the latest one
+        groups = groups.withColumn("sow_key", sow_key)
         deletes = spark.createDataFrame(keyed, "sow_key string, o struct<ts:long, rank:int, partition:int, offset:long>")
         deletes = deletes.groupBy("sow_key").agg(F.max("o").alias("o"))
         groups = groups.join(F.broadcast(deletes), "sow_key", "left").withColumn(
@@ -470,22 +500,45 @@ def snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, fi
         fallback = groups.where(touched).select("grp")
         groups = groups.where(~touched)
         rescan = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of).join(fallback, "grp", "left_semi")
-        folded = _fold_groups(spark, spec, rescan, [s for s in specials if s["kind"] in ("filter", "keys")], as_of)
+        folded = _fold_groups(spec, rescan, specials, as_of)
 
+    # Two branches read the chains (merged by Spark, by the core): persist them so the aggregation
+    # runs once (`release` unpersists).
     chained = chains(groups, spec).persist(StorageLevel.MEMORY_AND_DISK)
-    result = chained.where(F.size("values") == 1).select("sow_key", F.element_at("values", 1).alias("record"), "expires_at", "updated_at")
-    multi = chained.where(F.size("values") > 1)
-    # One job tells whether any record needs merging and bounds its depth: an object needs a '{'.
-    braces = F.aggregate("values", F.lit(0), lambda acc, v: F.greatest(acc, F.length(v) - F.length(F.regexp_replace(v, "\\{", ""))))
-    stats = multi.agg(F.count("*").alias("n"), F.max(braces).alias("depth")).first()
-    if stats["n"]:
-        levels = stats["depth"] if stats["depth"] <= MAX_PLANNED_LEVELS else None
-        merged = _merge_chains(multi, levels)
-        result = result.unionByName(multi.join(merged, "grp").select("sow_key", "record", "expires_at", "updated_at"))
-    if folded is not None:
-        result = result.unionByName(folded)
+    result = records(chained)
     if spec.expiry.active:
         result = result.where(F.col("expires_at").isNull() | (F.col("expires_at") > as_of))
+    result = result.select(sow_key.alias("sow_key"), "record", "expires_at", "updated_at")
+    if folded is not None:
+        result = result.unionByName(folded)
     if matches is not None:
         result = result.where(matches("record"))
+    result._ksow_cached = [chained]  # type: ignore[attr-defined]
     return result
+
+
+def release(df: DataFrame) -> None:
+    """Unpersist what a snapshot DataFrame cached, once it has been written or read."""
+    for cached in getattr(df, "_ksow_cached", ()):
+        cached.unpersist()
+
+
+def write_snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, path: str, filter: str | None = None) -> int:
+    """Write the SOW at `as_of` as Parquet at `path`; returns the number of passes (1 or 2).
+
+    The first pass assumes the history has no deletes by filter or SowKeys and counts them on the
+    way; only if it met any is the job redone knowing them (most histories pay one pass).
+    """
+    from pyspark.sql import Observation
+
+    ends = input_offsets(bootstrap, spec)
+    seen = Observation("ksow-specials")
+    df = snapshot(spark, bootstrap, spec, as_of, filter, ends, specials=[], observation=seen)
+    df.write.mode("overwrite").parquet(path)
+    release(df)
+    if not seen.get.get("specials"):
+        return 1
+    df = snapshot(spark, bootstrap, spec, as_of, filter, ends)
+    df.write.mode("overwrite").parquet(path)
+    release(df)
+    return 2
