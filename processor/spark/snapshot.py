@@ -2,20 +2,21 @@
 input topics `<topic>` and `<topic>.delta` (the rules are those of `processor.spark.history`).
 
 How it stays vectorized (no Python function per input record):
-1. Every input is classified with Spark expressions: headers, command, lifetime, validity (what the
-   worker would reject is dropped), and its key group (the key fields' JSON values, from the
-   VARIANT that `try_parse_json` makes).
-2. One aggregation per key group keeps the latest full publish or delete (a max over the history
-   order) and the deltas; messages that are not about one key (deletes by filter or by SowKeys)
-   travel in the group of no key, so the Kafka topics are scanned once.
-3. Per group: the deltas after that base, cut at the last write the record expired before (a
-   record whose lifetime ran out before a delta arrived starts anew from it), then merged by paths
-   (see `_merge_chains`): for each field the last value wins, except that objects following
-   objects merge field by field, level by level, as `processor.core.merge.merge` does.
-4. SowKeys (the core's checksum) are computed once per surviving key, not once per input.
-Deletes by SowKey(s) are applied at the group level. Deletes by filter need each record as it was
-at that moment, so key groups with any input before the last filter delete are folded instead by
-the reference fold (`history.SowFold`), one pandas call per group: the one non-vectorized path.
+1. `classify`: every input is classified with Spark expressions: headers, command, lifetime,
+   validity (what the worker would reject is dropped), and its key group (the key fields' JSON
+   values, read from the VARIANT that `try_parse_json` makes).
+2. `aggregate`: one aggregation per key group keeps the latest full publish or delete (a max over
+   the history order, packed into one DECIMAL) and the deltas.
+3. `chains`: per group, the base and the deltas after it, cut at the last write whose predecessor
+   had expired by then (a record whose lifetime ran out before a delta arrived starts anew).
+4. `records`: a chain of one write is that value as published; longer chains fold
+   `_merge_maps` (the core's merge as map/variant expressions) within the group's row.
+5. SowKeys (the core's checksum, in Python) are computed once per surviving key, not per input.
+Deletes by SowKey(s) become the group's base when they are its latest. Deletes by filter need each
+record as it was at that moment, so key groups with any input before the last filter delete are
+folded by the reference fold (`history.SowFold`), one pandas call per group: the only per-record
+Python path, taken only for histories that contain filter deletes. Records nested deeper than
+MERGE_LEVELS also merge in Python (per key, with the core's merge).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from ..core.commands import H_COMMAND, H_EXPIRATION, H_FILTER, H_KEY, H_KEYS, KNOWN_INPUT_HEADERS
@@ -113,9 +115,11 @@ def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict 
 
 # classifying -------------------------------------------------------------------------------------
 def _header(name: str) -> Column:
+    """The last value of an input header (later duplicates win, as in `header_map`)."""
     from pyspark.sql import functions as F
 
-    return F.expr(f"try_element_at(filter(headers, h -> h.key = '{name}'), -1).value").cast("string")
+    # The size guard skips the (interpreted) lambda for the common message without headers.
+    return F.when(F.size("headers") > 0, F.expr(f"try_element_at(filter(headers, h -> h.key = '{name}'), -1).value").cast("string"))
 
 
 def _strip(col: Column) -> Column:
@@ -170,7 +174,7 @@ def _variant_path(parts: tuple[str, ...]) -> str:
     return "$" + "".join(segments)
 
 
-def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: int | None = None, specials_only: bool = False) -> DataFrame:
+def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_only: bool = False) -> DataFrame:
     """One row per input the worker would apply (rejected ones dropped), with its history order,
     kind (publish | delta | delete | filter | keys), key group, lifetime and value.
 
@@ -194,14 +198,12 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: in
     )
     if as_of is not None:
         df = df.where(F.col("ts") <= as_of)
-    if after is not None:
-        df = df.where(F.col("ts") > after)
 
     known = ", ".join(f"'{h}'" for h in sorted(KNOWN_INPUT_HEADERS))
     df = df.select(
         "*",
         F.col("value").cast("string").alias("text"),
-        F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))").alias("bad_header"),
+        ((F.size("headers") > 0) & F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))")).alias("bad_header"),
         _header(H_COMMAND).alias("cmd_raw"),
         _header(H_EXPIRATION).alias("exp_raw"),
         _header(H_KEY).alias("key_raw"),
@@ -227,7 +229,7 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: in
         df = df.select("*", F.concat(F.lit("["), F.concat_ws(",", *texts), F.lit("]")).alias("grp0"), grp_ok.alias("grp_ok"))
 
     command = F.when(col("cmd_raw").isNull(), F.when(col("rank") == 1, "delta_publish").otherwise("publish")).otherwise(F.lower(_strip(col("cmd_raw"))))
-    is_object = col("v").isNotNull() & F.expr("is_valid_utf8(text)") & F.regexp_like(col("text"), F.lit(r"^[ \t\n\r]*\{"))
+    is_object = col("v").isNotNull() & F.expr("is_valid_utf8(text)") & F.expr("substring(trim(LEADING ' \t\n\r' FROM text), 1, 1) = '{'")  # JSON whitespace
     record_ok = is_object & col("grp_ok")
     filter_text = _strip(col("filter_raw"))
     keys_list = F.filter(F.transform(F.split(col("keys_raw"), ","), lambda k: _strip(k)), lambda k: k != "")
@@ -261,28 +263,42 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, after: in
 
 
 # the per-group aggregation --------------------------------------------------------------------------
+_PACK = (10**20, 10**19, 10**15, 1)  # ts | rank | partition < 10^4 | offset < 10^15, in 38 digits
+
+
+def pack_order(ts: int, rank: int, partition: int, offset: int) -> int:
+    """The history order as one number (see `packed_order`)."""
+    return sum(v * w for v, w in zip((ts, rank, partition, offset), _PACK))
+
+
+def packed_order() -> Column:
+    """The history order (ts, rank, partition, offset) as one DECIMAL(38,0): a fixed-size
+    aggregation key, which made the per-group aggregation 15% cheaper than a struct."""
+    from pyspark.sql import functions as F
+
+    out = None
+    for name, weight in zip(ORDER, _PACK):
+        term = F.col(name).cast("decimal(38,0)") * F.expr(f"CAST({weight} AS DECIMAL(38,0))")
+        out = term if out is None else out + term
+    return out.cast("decimal(38,0)")
+
+
 def aggregate(events: DataFrame, with_first: bool = False) -> DataFrame:
     """Per key group: the latest base (publish or delete) and every delta; with `with_first`, the
     group's first input too (to tell which groups a delete by filter may have touched)."""
     from pyspark.sql import functions as F
 
-    order = [F.col(c) for c in ORDER]
     kind = F.col("kind")
-    payload = F.struct(*order, (kind == "delete").alias("deleted"), "life", F.col("text").alias("value"))
-    delta = F.struct(*order, "life", F.col("text").alias("value"))
+    order = packed_order()
+    is_base = kind.isin("publish", "delete")
     columns = [
-        F.max(F.when(kind.isin("publish", "delete"), payload)).alias("base"),
-        F.collect_list(F.when(kind == "delta", delta)).alias("deltas"),
+        F.max(F.when(is_base, order)).alias("base_o"),
+        F.max_by(F.struct("ts", (kind == "delete").alias("deleted"), "life", F.col("text").alias("value")), F.when(is_base, order)).alias("base"),
+        F.collect_list(F.when(kind == "delta", F.struct(order.alias("o"), "ts", "life", F.col("text").alias("value")))).alias("deltas"),
     ]
     if with_first:
-        columns.append(F.min(F.struct(*order)).alias("first"))
+        columns.append(F.min(order).alias("first"))
     return events.where(F.col("grp").isNotNull()).groupBy("grp").agg(*columns)
-
-
-def _order_of(struct_col: str) -> Column:
-    from pyspark.sql import functions as F
-
-    return F.struct(*[F.col(f"{struct_col}.{c}").alias(c) for c in ORDER])
 
 
 def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
@@ -290,15 +306,10 @@ def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
     and the deltas after it in order, from the last write whose predecessor had expired by then."""
     from pyspark.sql import functions as F
 
-    base_order = _order_of("base")
-    after = F.filter(
-        "deltas",
-        lambda d: F.col("base").isNull() | (F.struct(*[d[c].alias(c) for c in ORDER]) > base_order),
-    )
-    writes = F.when(
-        F.col("base").isNotNull() & ~F.col("base.deleted"),
-        F.concat(F.array(F.struct(*[F.col(f"base.{c}").alias(c) for c in ORDER], F.col("base.life").alias("life"), F.col("base.value").alias("value"))), F.array_sort(after)),
-    ).otherwise(F.array_sort(after))
+    after = F.array_sort(F.filter("deltas", lambda d: F.col("base_o").isNull() | (d["o"] > F.col("base_o"))))
+    after = F.transform(after, lambda d: F.struct(d["ts"].alias("ts"), d["life"].alias("life"), d["value"].alias("value")))
+    base = F.struct(F.col("base.ts").alias("ts"), F.col("base.life").alias("life"), F.col("base.value").alias("value"))
+    writes = F.when(F.col("base_o").isNotNull() & ~F.col("base.deleted"), F.concat(F.array(base), after)).otherwise(after)
     df = groups.select("grp", writes.alias("w"))
     if spec.expiry.active:
         # Write j starts anew when write j-1's record expired at or before j's timestamp.
@@ -477,26 +488,27 @@ def snapshot(
     if observation is not None:
         events = events.observe(observation, F.count(F.when(F.col("kind").isin("filter", "keys"), 1)).alias("specials"))
     filters = [s for s in specials if s["kind"] == "filter"]
-    keyed = [(k, tuple(s[c] for c in ORDER)) for s in specials if s["kind"] == "keys" for k in s["sow_keys"]]
+    keyed = [(k, pack_order(*(s[c] for c in ORDER))) for s in specials if s["kind"] == "keys" for k in s["sow_keys"]]
     groups = aggregate(events, with_first=bool(filters))
     sow_key = F.col("grp") if spec.key_spec.user_keys else _sow_key_udf(spec)("grp")
 
     if keyed:  # a delete by SowKey becomes the group's base when it is the latest one
         groups = groups.withColumn("sow_key", sow_key)
-        deletes = spark.createDataFrame(keyed, "sow_key string, o struct<ts:long, rank:int, partition:int, offset:long>")
+        deletes = spark.createDataFrame([(k, Decimal(o)) for k, o in keyed], "sow_key string, o decimal(38,0)")
         deletes = deletes.groupBy("sow_key").agg(F.max("o").alias("o"))
-        groups = groups.join(F.broadcast(deletes), "sow_key", "left").withColumn(
-            "base",
-            F.when(
-                F.col("o").isNotNull() & (F.col("base").isNull() | (F.col("o") > _order_of("base"))),
-                F.struct(*[F.col(f"o.{c}").alias(c) for c in ORDER], F.lit(True).alias("deleted"), F.lit(None).cast("long").alias("life"), F.lit(None).cast("string").alias("value")),
-            ).otherwise(F.col("base")),
+        newer = F.col("o").isNotNull() & (F.col("base_o").isNull() | (F.col("o") > F.col("base_o")))
+        groups = groups.join(F.broadcast(deletes), "sow_key", "left").select(
+            "grp",
+            *(["first"] if filters else []),
+            "deltas",
+            F.when(newer, F.col("o")).otherwise(F.col("base_o")).alias("base_o"),
+            F.when(newer, F.struct(F.lit(None).cast("long").alias("ts"), F.lit(True).alias("deleted"), F.lit(None).cast("long").alias("life"), F.lit(None).cast("string").alias("value"))).otherwise(F.col("base")).alias("base"),
         )
 
     folded = None
     if filters:
-        last = max(tuple(s[c] for c in ORDER) for s in filters)
-        touched = F.col("first") < F.struct(*[F.lit(v).alias(c) for c, v in zip(ORDER, last)])
+        last = max(pack_order(*(s[c] for c in ORDER)) for s in filters)
+        touched = F.col("first") < F.lit(Decimal(last)).cast("decimal(38,0)")
         fallback = groups.where(touched).select("grp")
         groups = groups.where(~touched)
         rescan = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of).join(fallback, "grp", "left_semi")

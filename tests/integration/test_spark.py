@@ -261,3 +261,90 @@ def test_fold_history_is_order_independent(scripted):
     backward = fold_history(scripted.spec, list(reversed(messages)), T0 + 20000)
     assert forward == backward
     assert all(isinstance(r, SowRecord) for r in forward.values())
+
+
+def _row(spec: SowTopic, at: int, value: dict | bytes, delta: bool = False, headers=None, offset: int = 0):
+    from pyspark.sql import Row
+
+    raw = value if isinstance(value, bytes) else orjson.dumps(value)
+    topic = spec.delta_topic if delta else spec.topic
+    return Row(ts=at, rank=int(delta), partition=0, offset=offset, topic=topic, kafka_key=b"k", value=raw, headers=[Row(key=k, value=v) for k, v in headers or []], reason=None)
+
+
+def test_stateful_processor_with_tws_tester():
+    """The streaming runner's StatefulProcessor (no JVM): merge, diff, lifetimes and timer expiry."""
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from processor.runner.spark_stream import make_processor
+
+    spec = SowTopic(topic="orders", key=["/id"], expiration="enabled", partitions=4)
+    key = spec.key_spec.sow_key({"id": 1})
+    tester = TwsTester(make_processor(spec)(), timeMode="ProcessingTime", outputMode="Update")
+    tester.setProcessingTime(1_000)
+    out = tester.test(key, [
+        _row(spec, 900, {"id": 1, "n": {"x": 1}}, headers=[("sow-expiration", b"5s")], offset=0),
+        _row(spec, 950, {"id": 1, "n": {"y": 2}}, delta=True, headers=[("sow-expiration", b"5s")], offset=1),
+    ])
+    by_topic = [(r["topic"], dict((h["key"], h["value"]) for h in r["headers"])["sow-op"], orjson.loads(r["value"])) for r in out]
+    assert by_topic == [
+        ("orders.sow", b"insert", {"id": 1, "n": {"x": 1}}),
+        ("orders.diff", b"insert", {"id": 1, "n": {"x": 1}}),
+        ("orders.sow", b"update", {"id": 1, "n": {"x": 1, "y": 2}}),
+        ("orders.diff", b"update", {"id": 1, "n": {"y": 2}}),
+    ]
+    assert tester.peekValueState("record", key)[2] == 5_950  # the lifetime counts from the input's timestamp
+    assert tester.setProcessingTime(5_000) == []
+    fired = tester.setProcessingTime(6_000)
+    assert [(r["topic"], r["value"]) for r in fired] == [("orders.sow", None), ("orders.diff", b'{"id":1,"n":{"x":1,"y":2}}'), ("EXP.orders", b'{"id":1,"n":{"x":1,"y":2}}')]
+    assert tester.peekValueState("record", key) is None
+
+
+def _read_all(bootstrap: str, topic: str, partitions: int) -> list:
+    from confluent_kafka import TopicPartition
+
+    consumer = make_consumer(bootstrap)
+    ends = {(topic, p): consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions)}
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    out = list(read_until(consumer, ends))
+    consumer.close()
+    return out
+
+
+def test_streaming_runner_maintains_the_sow(spark, kafka_bootstrap, tmp_path):
+    """`run_stream`: inputs in, `.sow`/`.diff`/`EXP.`/`.errors` out, a delete by filter fanned out."""
+    from processor.client import Client
+    from processor.runner.spark_stream import run_stream
+
+    name = f"t_spark_stream_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    topology = Topology(sow=[spec])
+    _, queries = run_stream(kafka_bootstrap, topology, tmp_path / "ckpt", block=False, trigger="500 milliseconds")
+    try:
+        client = Client(kafka_bootstrap, topology)
+        client.publish(name, {"id": 1, "a": 1, "n": {"x": 1}})
+        client.publish(name, {"id": 1, "n": {"y": 2}}, delta=True)
+        client.publish(name, {"id": 2, "s": "gone soon"}, expiration="1s")
+        client.publish(name, {"id": 3, "s": "x"})
+        client.producer.produce(name, b'{"broken', b"k")
+        client.flush()
+        k = {i: spec.key_spec.sow_key({"id": i}) for i in (1, 2, 3)}
+        want = {k[1]: {"id": 1, "a": 1, "n": {"x": 1, "y": 2}}, k[3]: {"id": 3, "s": "x"}}
+        deadline = time.monotonic() + 120
+        while {e.sow_key: e.record for e in client.query(name)} != want:
+            assert all(q.isActive for q in queries), queries[0].exception()
+            assert time.monotonic() < deadline, {e.sow_key: e.record for e in client.query(name)}
+            time.sleep(1)
+        client.delete(name, filter="/s = 'x'")
+        client.flush()
+        while {e.sow_key for e in client.query(name)} != {k[1]}:
+            assert time.monotonic() < deadline, "the delete by filter was not applied"
+            time.sleep(1)
+    finally:
+        for q in queries:
+            q.stop()
+    expired = _read_all(kafka_bootstrap, spec.expired_topic, 2)
+    assert [orjson.loads(m.value()) for m in expired] == [{"id": 2, "s": "gone soon"}]
+    errors = _read_all(kafka_bootstrap, spec.errors_topic, 2)
+    assert [m.value() for m in errors] == [b'{"broken'] and dict(errors[0].headers())["sow-error"].startswith(b"value is not valid JSON")
+    ops = sorted(dict(m.headers())["sow-op"].decode() for m in _read_all(kafka_bootstrap, spec.diff_topic, 2))
+    assert ops == ["delete", "expire", "insert", "insert", "insert", "update"]
