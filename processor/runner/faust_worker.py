@@ -166,25 +166,19 @@ class SowWorker:
 
     async def _deliver(self, proc: SowTopicProcessor, requests: list[ProduceRequest]) -> None:
         """Produce, wait for every delivery, then commit the stores with their changelog positions."""
-        sow_topic = proc.spec.sow_topic
-        positions: dict[int, int] = {}
-        failures: list = []
-
-        def delivered(err, msg) -> None:
-            if err is not None:
-                failures.append(err)
-            elif msg.topic() == sow_topic:
-                p = msg.partition()
-                positions[p] = max(positions.get(p, 0), msg.offset() + 1)
-
+        report = DeliveryReport()
+        send = self.producer.produce
         counts: dict[str, int] = {}
         for r in requests:
-            produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, delivered, r.timestamp)
+            on_delivery = report.callback(r.changelog)
+            try:
+                send(r.topic, r.value, r.key, -1 if r.partition is None else r.partition, on_delivery=on_delivery, timestamp=r.timestamp, headers=r.headers)
+            except BufferError:  # the local queue is full: wait for room, as kafka.produce does
+                produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, on_delivery, r.timestamp)
             counts[r.topic] = counts.get(r.topic, 0) + 1
         if requests:
             await asyncio.get_running_loop().run_in_executor(None, self.producer.flush)
-        if failures:
-            raise KafkaException(failures[0])
+        positions = report.positions()  # raises if anything was not delivered
         for p in list(proc.stores):
             proc.commit(p, positions.get(p))
         for topic, n in counts.items():
@@ -321,6 +315,37 @@ class BatchDrainConsumer(AIOKafkaConsumer):
                 if self._commit_every is not None and self._n_acked >= self._commit_every:
                     self._n_acked = 0
                     await self.commit()
+
+
+class DeliveryReport:
+    """Delivery reports of one batch, collected without a Python call per message.
+
+    librdkafka calls on_delivery(err, msg) for every message; here the callbacks are dicts'
+    `__setitem__`, so each report just files msg under its error (None when delivered). Per
+    changelog partition the last delivered message is the one with the highest offset, as the
+    idempotent producer reports a partition's messages in order (and if it did not, the position
+    would only be lower: restore would re-read a little more of the changelog).
+    """
+
+    def __init__(self) -> None:
+        self._others: dict = {}
+        self._changelog: dict[int, dict] = {}
+
+    def callback(self, changelog: int | None):
+        if changelog is None:
+            return self._others.__setitem__
+        filed = self._changelog.get(changelog)
+        if filed is None:
+            filed = self._changelog[changelog] = {}
+        return filed.__setitem__
+
+    def positions(self) -> dict[int, int]:
+        """Next changelog offset per SOW partition; raises KafkaException if a message failed."""
+        for filed in (self._others, *self._changelog.values()):
+            for err in filed:
+                if err is not None:
+                    raise KafkaException(err)
+        return {p: filed[None].offset() + 1 for p, filed in self._changelog.items() if None in filed}
 
 
 def _input(message) -> InputMessage:

@@ -200,3 +200,28 @@ def test_unexpected_failures_park_the_message(proc, monkeypatch):
     monkeypatch.setattr(proc, "_write", boom)
     out = run(proc, [msg(proc, {"id": 1})])
     assert [r.topic for r in out] == ["orders.errors"] and b"internal error: RuntimeError: disk on fire" in hdr(out[0], "sow-error")
+
+
+class _Delivered:
+    def __init__(self, offset):
+        self._offset = offset
+
+    def offset(self):
+        return self._offset
+
+
+def test_delivery_report_positions_and_failures():
+    """Changelog positions are one past the last delivered `.sow` offset per partition; any failed
+    message, changelog or not, fails the whole batch."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from processor.runner.faust_worker import DeliveryReport
+
+    report = DeliveryReport()
+    for p, offset in ((0, 5), (0, 6), (2, 9)):
+        report.callback(p)(None, _Delivered(offset))
+    report.callback(None)(None, _Delivered(100))
+    assert report.positions() == {0: 7, 2: 10}
+    report.callback(None)(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered(101))
+    with pytest.raises(KafkaException):
+        report.positions()
