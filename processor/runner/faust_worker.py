@@ -259,11 +259,13 @@ class SowWorker:
             if not proc.spec.expiry.active and not any(v.conflation_ms for v in proc.views):
                 continue
             async with self.locks[name]:
+                requests = []  # every partition's, then one delivery: a flush waits for the broker
                 for (topic, p) in list(self.ready):
                     if topic == name:
-                        requests = proc.expire_due(p) + proc.views_due(p)
-                        if requests:
-                            await self._deliver(proc, requests)
+                        requests += proc.expire_due(p)
+                        requests += proc.views_due(p)
+                if requests:
+                    await self._deliver(proc, requests)
 
     # running ----------------------------------------------------------------------------
     def run(self, loglevel: str = "info") -> None:
