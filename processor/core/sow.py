@@ -55,12 +55,15 @@ def removal(op: Op, key: str, before: SowRecord, now_ms: int, seq: int) -> Trans
     return Transition(op, key, seq, before, None, None, now_ms)
 
 
-def _headers(t: Transition, record: SowRecord | None) -> list[tuple[str, bytes]]:
-    headers = [(H_KEY, t.key.encode()), (H_OP, t.op.value.encode()), (H_SEQ, str(t.seq).encode())]
+_OP_BYTES = {op: op.value.encode() for op in Op}
+
+
+def _headers(t: Transition, key: bytes, record: SowRecord | None) -> list[tuple[str, bytes]]:
+    headers = [(H_KEY, key), (H_OP, _OP_BYTES[t.op]), (H_SEQ, b"%d" % t.seq)]
     if record is not None and record.expires_at is not None:
-        headers.append((H_EXPIRES_AT, str(record.expires_at).encode()))
+        headers.append((H_EXPIRES_AT, b"%d" % record.expires_at))
     if t.op is Op.EXPIRE:
-        headers.append((H_ACTUAL_EXPIRY, str(t.at_ms).encode()))
+        headers.append((H_ACTUAL_EXPIRY, b"%d" % t.at_ms))
     return headers
 
 
@@ -68,13 +71,13 @@ def render(t: Transition, codec: Codec, has_expiry_topic: bool = True) -> list[O
     """Output events of a transition, by stream: sow, diff, expired, dead (see the contract)."""
     key = t.key.encode()
     if t.after is not None:
-        headers = _headers(t, t.after)
+        headers = _headers(t, key, t.after)
         return [
             OutputEvent("sow", key, codec.encode(t.after.data), headers),
             OutputEvent("diff", key, orjson.dumps(t.changes), headers),
         ]
     assert t.before is not None
-    headers = _headers(t, t.before)
+    headers = _headers(t, key, t.before)
     last = codec.encode(t.before.data)
     events = [OutputEvent("sow", key, None, headers), OutputEvent("diff", key, last, headers)]
     if t.op is Op.EXPIRE:

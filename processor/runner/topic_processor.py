@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -59,7 +59,7 @@ class ProduceRequest:
     partition: int | None
     key: bytes | None
     value: bytes | None
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    headers: list[tuple[str, bytes]]
     changelog: int | None = None  # SOW partition whose changelog this record is (for positions)
     timestamp: int = 0  # keep the original publish time on rerouted inputs (0: now)
 
