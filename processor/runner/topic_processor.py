@@ -255,18 +255,21 @@ class SowTopicProcessor:
         else:
             keys = list(self.matching(p, cmd.filter or "1=1"))
         store = self.stores[p]
+        expiring = self.spec.expiry.active
         for key in keys:
             before = store.get(key)
             if before is not None:
+                # A record whose instant has passed was gone before the delete came: it expires.
+                op = Op.EXPIRE if expiring and is_due(before.expires_at, now) else Op.DELETE
                 store.stage(key, None)
-                self._emit(p, removal(Op.DELETE, key, before, now, self.next_seq(p, now)), out)
+                self._emit(p, removal(op, key, before, now, self.next_seq(p, now)), out)
 
     def matching(self, p: int, filter_text: str) -> Iterator[str]:
-        """SowKeys of partition p's committed records that match a filter."""
+        """SowKeys of partition p's records that match a filter, writes of the batch in flight included."""
         from ..core.filters import compile_filter
 
         predicate = compile_filter(filter_text)
-        for key, record in self.open(p).records():
+        for key, record in self.open(p).current_records():
             if predicate.matches(record.data):
                 yield key
 

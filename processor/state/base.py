@@ -128,6 +128,16 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
+    def current_records(self) -> Iterator[tuple[str, SowRecord]]:
+        """Every record as the batch in flight sees it: committed ones, overridden by staged writes."""
+        staged = self._staged
+        for key, record in self.records():
+            if key not in staged:
+                yield key, record
+        for key, record in list(staged.items()):
+            if record is not None:
+                yield key, record
+
     def select(self, predicate, raw_check=None) -> tuple[list[tuple[str, SowRecord]], int]:
         """Committed records whose data satisfies `predicate`, and how many were read: the scan path
         of queries, kept to one loop that decodes only the fields and builds records for matches.

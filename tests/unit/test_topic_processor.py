@@ -225,3 +225,17 @@ def test_delivery_report_positions_and_failures():
     report.callback(None)(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered(101))
     with pytest.raises(KafkaException):
         report.positions()
+
+
+def test_delete_by_filter_sees_records_of_the_same_batch():
+    """A publish and a fanned-out delete by filter (back from `.repartition`) in one batch: the
+    delete removes the new record too."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory"}]}).topic("orders")
+    proc = SowTopicProcessor(spec, None)
+    key = spec.key_spec.sow_key({"id": 7})
+    publish = InputMessage("orders", 0, 0, key.encode(), orjson.dumps({"id": 7, "desk": "fx"}), [], 1_000)
+    delete = InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H_LOCAL, b"1")], 1_001)
+    out = proc.handle([publish, delete], now=2_000)
+    assert [dict(r.headers)["sow-op"] for r in out if r.topic == "orders.sow"] == [b"insert", b"delete"]
+    proc.commit(0)
+    assert proc.stores[0].count() == 0
