@@ -114,8 +114,21 @@ def _worker_options(fn):
 @TOPOLOGY
 @_worker_options
 @click.option("--loglevel", default="info", show_default=True)
-def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel) -> None:
-    """Run a worker for the topology (starting the embedded broker when no bootstrap is given)."""
+@click.option("--engine", type=click.Choice(["faust", "spark"]), default="faust", show_default=True, envvar="KSOW_ENGINE",
+              help="faust: the Faust worker (RocksDB stores); spark: Spark Structured Streaming (transformWithState).")
+@click.option("--checkpoint-dir", envvar="KSOW_SPARK_CHECKPOINT_DIR", default=None,
+              help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
+@click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
+@click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
+def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+    """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
+
+    `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
+    (see docs/spark.md); `--data-dir`, `--web-port` and `--web-host` are for the Faust engine only.
+    """
+    if engine == "spark":
+        _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
+        return
     load_topology(topology) if topology else None
     with _bootstrap_or_embedded(bootstrap) as address:
         worker = _worker(address, topology, group, data_dir, web_port, web_host)
@@ -124,6 +137,46 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel) -> No
             worker.run(loglevel)
         except SystemExit:
             pass
+
+
+def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoint_dir: str | None, master: str, trigger: str) -> None:
+    """`ksow up --engine spark`: one streaming query per SOW topic until Ctrl-C or SIGTERM."""
+    import signal
+
+    try:
+        topo = load_topology(topology)
+    except TopologyError as exc:
+        _fail(str(exc))
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        _fail("the spark engine needs pyspark: pip install 'ksow[spark]'")
+    checkpoints = Path(checkpoint_dir or Path.home() / ".cache" / "ksow" / "spark-checkpoints" / group).expanduser()
+    from .runner.spark_stream import StreamError, run_stream, wait_for
+
+    def stop(signum, frame):  # SIGTERM stops the queries cleanly, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    with _bootstrap_or_embedded(bootstrap) as address:
+        try:
+            _, queries = run_stream(address, topo, checkpoints, master=master, trigger=trigger, block=False)
+        except KeyboardInterrupt:
+            return
+        except Exception as exc:  # the JVM did not start, the connector could not be resolved, ...
+            _fail(f"the spark engine could not start: {_first_line(exc)}")
+        names = ", ".join(s.topic for s in topo.sow)
+        click.echo(f"ksow spark engine: group {group}, topics {names}, bootstrap {address}, master {master}, checkpoints {checkpoints}", err=True)
+        click.echo(f"ksow spark engine: running {len(queries)} streaming queries", err=True)
+        try:
+            wait_for(queries)
+        except StreamError as exc:
+            _fail(str(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
 
 
 @main.command()

@@ -263,15 +263,28 @@ def run_stream(
     log.info("spark streaming: %d SOW topics, checkpoints in %s", len(queries), checkpoint_dir)
     if not block:
         return spark, queries
+    wait_for(queries)
+    return spark, queries
+
+
+class StreamError(RuntimeError):
+    """A streaming query stopped with an error."""
+
+
+def wait_for(queries) -> None:
+    """Block until a query stops (its error raised as StreamError) or Ctrl-C; then stop them all."""
     try:
         while all(q.isActive for q in queries):
             time.sleep(1.0)
         for q in queries:
             if q.exception() is not None:
-                raise RuntimeError(f"streaming query {q.name} failed: {q.exception()}")
+                first = str(q.exception()).strip().splitlines() or ["(no message)"]
+                raise StreamError(f"streaming query {q.name} failed: {first[0]}")
     except KeyboardInterrupt:
         pass
     finally:
         for q in queries:
-            q.stop()
-    return spark, queries
+            try:
+                q.stop()
+            except Exception:  # noqa: BLE001 - stopping is best effort when the JVM is going away
+                log.debug("could not stop %s", q.name, exc_info=True)

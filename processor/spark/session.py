@@ -108,6 +108,9 @@ def get_spark(master: str | None = None, app_name: str = "ksow", conf: dict[str,
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
         "spark.sql.variant.allowDuplicateKeys": "true",  # as orjson: the last duplicate wins
+        # A Python worker (e.g. the one that initializes a transformWithState processor) may take
+        # longer than the default 15 s to start and connect back on a loaded machine.
+        "spark.python.authenticate.socketTimeout": "120s",
         "spark.kafka.consumer.cache.capacity": "256",
         # collect_list per key group: stay hash-based (the default switches to sorting at 128 keys)
         "spark.sql.objectHashAggregate.sortBased.fallbackThreshold": "10000000",

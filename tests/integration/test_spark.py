@@ -348,3 +348,151 @@ def test_streaming_runner_maintains_the_sow(spark, kafka_bootstrap, tmp_path):
     assert [m.value() for m in errors] == [b'{"broken'] and dict(errors[0].headers())["sow-error"].startswith(b"value is not valid JSON")
     ops = sorted(dict(m.headers())["sow-op"].decode() for m in _read_all(kafka_bootstrap, spec.diff_topic, 2))
     assert ops == ["delete", "expire", "insert", "insert", "insert", "update"]
+
+
+def _latest(messages) -> dict[str, tuple[dict, int | None]]:
+    """`<topic>.sow` as a SOW: latest per key, tombstones removed, with sow-expires-at."""
+    latest: dict[str, tuple[dict, int | None] | None] = {}
+    for m in messages:
+        h = dict(m.headers() or ())
+        latest[m.key().decode()] = None if m.value() is None else (orjson.loads(m.value()), int(h["sow-expires-at"]) if "sow-expires-at" in h else None)
+    return {k: v for k, v in latest.items() if v is not None}
+
+
+def _wait_sow(bootstrap: str, spec: SowTopic, want: dict, queries, timeout: float = 180, also: str | None = None) -> dict:
+    """Until `<topic>.sow` holds `want` (plus `also`, a record that may expire meanwhile, when it was
+    written at least once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        messages = _read_all(bootstrap, spec.sow_topic, spec.partitions)
+        got = {k: r for k, (r, _) in _latest(messages).items() if k != also}
+        if got == want and (also is None or any(m.key().decode() == also for m in messages)):
+            return got
+        assert all(q.isActive for q in queries), [q.exception() for q in queries]
+        assert time.monotonic() < deadline, got
+        time.sleep(1)
+
+
+def test_streaming_runner_survives_stop_and_restart(spark, kafka_bootstrap, tmp_path):
+    """Stop the queries, publish more while they are down, restart from the same checkpoint: the
+    deltas merge into the state from before the stop, the deletes (by data, SowKeys and filter)
+    find their records, a lifetime that ran out during the downtime expires, and no input is
+    applied twice (a clean stop commits its last micro-batch)."""
+    from processor.client import Client
+    from processor.runner.spark_stream import run_stream
+
+    name = f"t_spark_restart_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    topology = Topology(sow=[spec])
+    checkpoint = tmp_path / "ckpt"
+    k = {i: spec.key_spec.sow_key({"id": i}) for i in range(1, 8)}
+    client = Client(kafka_bootstrap, topology)
+
+    _, queries = run_stream(kafka_bootstrap, topology, checkpoint, block=False, trigger="500 milliseconds")
+    try:
+        client.publish(name, {"id": 1, "a": 1, "n": {"x": 1}})
+        client.publish(name, {"id": 2, "s": "two"})
+        client.publish(name, {"id": 3, "s": "three"}, expiration="1h")
+        client.publish(name, {"id": 4, "s": "four"})
+        client.publish(name, {"id": 7, "s": "short"}, expiration="20s")
+        client.flush()
+        client.publish(name, {"id": 1, "n": {"y": 2}}, delta=True)
+        client.flush()
+        published_7 = time.monotonic()
+        before = {k[1]: {"id": 1, "a": 1, "n": {"x": 1, "y": 2}}, k[2]: {"id": 2, "s": "two"}, k[3]: {"id": 3, "s": "three"}, k[4]: {"id": 4, "s": "four"}}
+        _wait_sow(kafka_bootstrap, spec, before, queries, also=k[7])
+    finally:
+        for q in queries:
+            q.stop()
+    assert not any(q.isActive for q in queries)
+
+    # While stopped: deltas on keys that exist, deletes of every kind, a new record.
+    client.publish(name, {"id": 1, "n": {"z": 3}, "b": True}, delta=True)
+    client.publish(name, {"id": 3, "t": 1}, delta=True)  # no lifetime header: the update clears it
+    client.delete(name, filter="/s = 'two'")
+    client.delete(name, keys=[k[4]])
+    client.publish(name, {"id": 5, "s": "five"})
+    client.publish(name, {"id": 6, "s": "six"})
+    client.delete(name, data={"id": 6})
+    client.flush()
+    time.sleep(max(0.0, 20.5 - (time.monotonic() - published_7)))  # 7's lifetime runs out while stopped
+
+    _, queries = run_stream(kafka_bootstrap, topology, checkpoint, block=False, trigger="500 milliseconds")
+    final = {k[1]: {"id": 1, "a": 1, "n": {"x": 1, "y": 2, "z": 3}, "b": True}, k[3]: {"id": 3, "s": "three", "t": 1}, k[5]: {"id": 5, "s": "five"}}
+    try:
+        _wait_sow(kafka_bootstrap, spec, final, queries)
+        time.sleep(2)  # a repeated micro-batch would show up on .diff below
+    finally:
+        for q in queries:
+            q.stop()
+
+    assert all(at is None for _, at in _latest(_read_all(kafka_bootstrap, spec.sow_topic, 2)).values())
+    diffs: dict[str, list] = {}
+    for m in _read_all(kafka_bootstrap, spec.diff_topic, 2):
+        h = dict(m.headers())
+        diffs.setdefault(m.key().decode(), []).append((h["sow-op"].decode(), orjson.loads(m.value()), int(h["sow-seq"])))
+    ops = {i: [op for op, _, _ in diffs[k[i]]] for i in k}
+    assert ops == {
+        1: ["insert", "update", "update"],
+        2: ["insert", "delete"],
+        3: ["insert", "update"],
+        4: ["insert", "delete"],
+        5: ["insert"],
+        6: ["insert", "delete"],
+        7: ["insert", "expire"],
+    }
+    assert diffs[k[1]][2][1] == {"id": 1, "n": {"z": 3}, "b": True}  # the diff against the state from before the stop
+    assert diffs[k[3]][1][1] == {"id": 3, "t": 1}
+    for events in diffs.values():
+        seqs = [seq for _, _, seq in events]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # event IDs go on increasing after the restart
+    assert [orjson.loads(m.value()) for m in _read_all(kafka_bootstrap, spec.expired_topic, 2)] == [{"id": 7, "s": "short"}]
+    folded = fold_history(spec, _read_inputs(Scripted(spec, kafka_bootstrap, {})), int(time.time() * 1000))
+    assert {key: r.data for key, r in folded.items()} == final
+
+
+def test_ksow_up_engine_spark_end_to_end(kafka_bootstrap, tmp_path):
+    """`ksow up --engine spark` as a process: publish with `ksow publish`, read `<topic>.sow`, stop
+    with SIGTERM (a clean stop, exit status 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    name = f"t_spark_cli_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(topic=name, key=["/id"], partitions=2)
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(json.dumps({"sow": [{"topic": name, "key": ["/id"], "partitions": 2}]}))
+    log_path = tmp_path / "up.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KSOW_SPARK_DRIVER_MEMORY": "1g"}
+    common = ["--bootstrap", kafka_bootstrap, "--topology", str(topo)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "processor.cli", "up", "--engine", "spark", *common, "--master", "local[1]",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--trigger", "500 milliseconds"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while b"running 1 streaming queries" not in log_path.read_bytes():
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        lines = '{"id": 1, "s": "a", "n": {"x": 1}}\n{"id": 2, "s": "b"}\n'
+        subprocess.run([sys.executable, "-m", "processor.cli", "publish", name, "-", *common], input=lines.encode(), check=True, env=env)
+        subprocess.run([sys.executable, "-m", "processor.cli", "publish", name, "--delta", '{"id": 1, "n": {"y": 2}}', *common], check=True, env=env)
+        k1, k2 = (spec.key_spec.sow_key({"id": i}) for i in (1, 2))
+        want = {k1: {"id": 1, "s": "a", "n": {"x": 1, "y": 2}}, k2: {"id": 2, "s": "b"}}
+        while {key: r for key, (r, _) in _latest(_read_all(kafka_bootstrap, spec.sow_topic, 2)).items()} != want:
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text(errors="replace")[-3000:]
+            time.sleep(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, log_path.read_text(errors="replace")[-3000:]
+    assert "Traceback" not in log_path.read_text(errors="replace")
