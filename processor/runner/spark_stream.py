@@ -1,20 +1,27 @@
 """`ksow up --engine spark`: the SOW maintained by Spark Structured Streaming.
 
-One streaming query per SOW topic: read `<topic>` and `<topic>.delta`, route each input to the
-SowKey it concerns (a Python UDF over the core's parse_command), then `transformWithState` per
-SowKey with RocksDB state and processing-time timers for expiry. The StatefulProcessor applies
-inputs with the core (apply_write / removal / render), so it writes the same `.sow`, `.diff`,
-`EXP.<topic>` / `.dead` and `.errors` records as the Faust worker, straight to Kafka.
+One streaming query per SOW topic: read `<topic>` and `<topic>.delta`, route each input to the SOW
+partition(s) it concerns (a Python UDF over the core's parse_command), then `transformWithState`
+grouped by SOW partition, with RocksDB state and processing-time timers for expiry. A group holds
+its partition's records in a MapState, as a Faust worker's store holds them, and the
+StatefulProcessor applies that partition's inputs in history order with the core (apply_write /
+removal / render). So it writes the same `.sow`, `.diff`, `EXP.<topic>` / `.dead` and `.errors`
+records as the Faust worker, straight to Kafka; tests/integration/test_conformance.py holds both
+engines to the same output streams.
+
+Routing: a publish, delta or delete by data goes to the partition that owns its SowKey
+(`murmur2(SowKey) mod partitions`, as everywhere); a delete by SowKeys to the owners of those keys;
+a delete by filter to every partition, where it tests the records of that moment, the ones written
+earlier in the same micro-batch included.
 
 Differences from the Faust worker, by design of the engine:
-- Spark groups by SowKey itself, so `<topic>.repartition` is not used.
-- A delete by filter is fanned out to the keys `<topic>.sow` holds when it is routed; each key then
-  tests the filter against its own state. A record created in the same micro-batch is missed.
+- Spark shuffles inputs to their partition group itself, so `<topic>.repartition` is not used.
 - Delivery is at least once (Spark's Kafka sink): after a crash a micro-batch may be written twice
   (same records, so the compacted `.sow` is unaffected; `.diff` may repeat events).
-- sow-seq: increasing per key, built like the worker's (clock-floored counter << 10 | owner
-  partition), but the counter is per key, so two keys may share a value.
-- Capacity limits are not enforced (neither does the Faust worker yet).
+- Expiry runs on processing-time timers, so at most one trigger interval late; and every trigger
+  runs a micro-batch even with no input (Spark does so for processing-time timers).
+- Capacity limits (`capacity`, `capacity_policy`) are not enforced by this engine.
+- Views are not maintained by this engine.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..api.types import Command, InputError, Op, SowRecord
+from ..api.types import Command, InputError, Op, SowCommand, SowRecord
 from ..core.codec import codec_for
 from ..core.commands import H_ERROR, header_map, parse_command
 from ..core.expiry import is_due
@@ -36,8 +43,11 @@ from ..topology import SowTopic, Topology
 
 log = logging.getLogger("ksow.spark")
 
-ERRORS_GROUP = "!errors"  # grouping key of rejected inputs ('!' is not a SowKey character)
+ERRORS_GROUP = "!errors"  # grouping key of rejected inputs (the others are partition numbers)
+KEY_SCHEMA = "sow_key string"
 RECORD_SCHEMA = "data string, seq long, expires_at long, updated_at long"
+DUE_KEY_SCHEMA = "at long"
+DUE_SCHEMA = "keys string"  # the SowKeys due at that instant, comma-separated (no SowKey has a comma)
 COUNTER_SCHEMA = "counter long"
 OUTPUT_SCHEMA = "topic string, key binary, value binary, headers array<struct<key: string, value: binary>>"
 ROUTE_SCHEMA = "array<struct<gkey: string, reason: string>>"
@@ -55,34 +65,25 @@ def message(row) -> InputMessage:
 
 
 class Router:
-    """Which SowKey(s) an input concerns (a delete by SowKeys or by filter concerns several), or
-    the error group with the reason the worker would give."""
+    """Which SOW partition(s) an input concerns (a delete by SowKeys or by filter may concern
+    several), or the error group with the reason the worker would give."""
 
-    def __init__(self, spec: SowTopic, bootstrap: str):
+    def __init__(self, spec: SowTopic, bootstrap: str | None = None):
         self.spec = spec
-        self.bootstrap = bootstrap
         self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
 
     def __call__(self, topic: str, value, headers) -> list[tuple[str, str | None]]:
         codec = codec_for(self.spec.message_type.value, self.spec.schema_)
         try:
             cmd = parse_command(self.spec.key_spec, codec, self.defaults[topic], None if value is None else bytes(value), header_map(_headers(headers)))
-            if cmd.filter is not None:
-                compile_filter(cmd.filter)
         except (InputError, FilterError) as exc:
             return [(ERRORS_GROUP, str(exc))]
+        n = self.spec.partitions
         if cmd.sow_key is not None:
-            return [(cmd.sow_key, None)]
+            return [(str(owner_partition(cmd.sow_key, n)), None)]
         if cmd.keys:
-            return [(k, None) for k in cmd.keys]
-        return [(k, None) for k in self.live_keys()]
-
-    def live_keys(self) -> list[str]:
-        """SowKeys `<topic>.sow` holds now: the records a delete by filter may concern."""
-        from ..client import Client
-
-        client = Client(self.bootstrap, Topology(sow=[self.spec]))
-        return [entry.sow_key for entry in client.query(self.spec.topic)]
+            return [(str(p), None) for p in sorted({owner_partition(k, n) for k in cmd.keys})]
+        return [(str(p), None) for p in range(n)]
 
 
 def make_processor(spec: SowTopic):
@@ -101,35 +102,42 @@ def make_processor(spec: SowTopic):
             yield Row(topic=streams[event.stream], key=event.key, value=event.value, headers=[Row(key=k, value=v) for k, v in event.headers])
 
     class Processor(StatefulProcessor):
-        """One SowKey's record: the core applies each input; timers expire it."""
+        """One SOW partition: its records, an index of their expiry instants, its event counter."""
 
         def init(self, handle) -> None:
             self.handle = handle
-            self.record = handle.getValueState("record", RECORD_SCHEMA)
+            self.records = handle.getMapState("records", KEY_SCHEMA, RECORD_SCHEMA)
+            self.due = handle.getMapState("due", DUE_KEY_SCHEMA, DUE_SCHEMA)
             self.counter = handle.getValueState("counter", COUNTER_SCHEMA)
 
         # state -----------------------------------------------------------------------------
-        def _get(self) -> SowRecord | None:
-            if not self.record.exists():
+        def _get(self, key: str) -> SowRecord | None:
+            row = self.records.getValue((key,))
+            if row is None:
                 return None
-            data, seq, expires_at, updated_at = self.record.get()
+            data, seq, expires_at, updated_at = row
             return SowRecord(codec.decode(data.encode()), seq, expires_at, updated_at)
 
-        def _put(self, before: SowRecord | None, after: SowRecord | None) -> None:
-            if before is not None and before.expires_at is not None:
-                self.handle.deleteTimer(before.expires_at)
+        def _put(self, key: str, after: SowRecord | None) -> None:
             if after is None:
-                self.record.clear()
+                self.records.removeKey((key,))  # a due entry left behind is skipped when it fires
                 return
-            self.record.update((codec.encode(after.data).decode(), after.seq, after.expires_at, after.updated_at))
+            self.records.updateValue((key,), (codec.encode(after.data).decode(), after.seq, after.expires_at, after.updated_at))
             if policy.active and after.expires_at is not None:
-                self.handle.registerTimer(after.expires_at)
+                at = after.expires_at
+                entry = self.due.getValue((at,))
+                keys = entry[0].split(",") if entry else []
+                if key not in keys:
+                    self.due.updateValue((at,), (",".join([*keys, key]),))
+                if not entry:
+                    self.handle.registerTimer(at)
 
-        def _seq(self, key: str, now: int) -> int:
+        def _seq(self, p: int, now: int) -> int:
+            """As the worker's: a clock-floored counter per partition << 10 | partition."""
             last = self.counter.get()[0] if self.counter.exists() else 0
             counter = max(last + 1, now * 1000)
             self.counter.update((counter,))
-            return (counter << SEQ_PARTITION_BITS) | owner_partition(key, spec.partitions)
+            return (counter << SEQ_PARTITION_BITS) | p
 
         # inputs ----------------------------------------------------------------------------
         def handleInputRows(self, key, rows, timerValues) -> Iterator[Any]:
@@ -140,29 +148,43 @@ def make_processor(spec: SowTopic):
                 for row in ordered:
                     yield self._error(row)
                 return
+            p = int(gkey)
             for row in ordered:
-                yield from self._apply(gkey, message(row), now)
+                yield from self._apply(p, message(row), now)
 
-        def _apply(self, key: str, msg: InputMessage, now: int) -> Iterator[Any]:
+        def _apply(self, p: int, msg: InputMessage, now: int) -> Iterator[Any]:
             cmd = parse_command(spec.key_spec, codec, defaults[msg.topic], msg.value, header_map(msg.headers))
-            before = self._get()
-            if before is not None and policy.active and is_due(before.expires_at, now):
-                self._put(before, None)
-                yield from out_rows(removal(Op.EXPIRE, key, before, now, self._seq(key, now)))
-                before = None
             if cmd.command is Command.SOW_DELETE:
-                if before is None:
-                    return
-                if cmd.filter is not None and not compile_filter(cmd.filter).matches(before.data):
-                    return
-                if cmd.keys and key not in cmd.keys:
-                    return
-                self._put(before, None)
-                yield from out_rows(removal(Op.DELETE, key, before, now, self._seq(key, now)))
+                yield from self._delete(p, cmd, now)
                 return
-            t = apply_write(key, before, cmd, policy, key_paths, msg.timestamp or now, self._seq(key, now))
-            self._put(before, t.after)
+            key = cmd.sow_key
+            assert key is not None
+            before = self._get(key)
+            if before is not None and policy.active and is_due(before.expires_at, now):
+                self._put(key, None)
+                yield from out_rows(removal(Op.EXPIRE, key, before, now, self._seq(p, now)))
+                before = None
+            t = apply_write(key, before, cmd, policy, key_paths, msg.timestamp or now, self._seq(p, now))
+            self._put(key, t.after)
             yield from out_rows(t)
+
+        def _delete(self, p: int, cmd: SowCommand, now: int) -> Iterator[Any]:
+            n = spec.partitions
+            if cmd.sow_key is not None:
+                keys: list[str] = [cmd.sow_key]
+            elif cmd.keys:
+                keys = [k for k in cmd.keys if owner_partition(k, n) == p]
+            else:
+                predicate = compile_filter(cmd.filter or "1=1")
+                keys = [k for (k,), (data, *_) in self.records.iterator() if predicate.matches(codec.decode(data.encode()))]
+            for key in keys:
+                before = self._get(key)
+                if before is None:
+                    continue
+                # A record whose instant has passed was gone before the delete came: it expires.
+                op = Op.EXPIRE if policy.active and is_due(before.expires_at, now) else Op.DELETE
+                self._put(key, None)
+                yield from out_rows(removal(op, key, before, now, self._seq(p, now)))
 
         def _error(self, row) -> Any:
             headers = [Row(key=k, value=v) for k, v in _headers(row["headers"])]
@@ -177,13 +199,17 @@ def make_processor(spec: SowTopic):
         # expiry ----------------------------------------------------------------------------
         def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Any]:
             (gkey,) = key
-            record = self._get()
+            p = int(gkey)
             at = expiredTimerInfo.getExpiryTimeInMs()
-            if record is None or record.expires_at != at:
-                return  # updated or deleted since the timer was set
+            entry = self.due.getValue((at,))
+            self.due.removeKey((at,))
             now = max(at, timerValues.getCurrentProcessingTimeInMs())
-            self.record.clear()
-            yield from out_rows(removal(Op.EXPIRE, gkey, record, now, self._seq(gkey, now)))
+            for k in entry[0].split(",") if entry else ():
+                record = self._get(k)
+                if record is None or record.expires_at != at:
+                    continue  # updated or deleted since
+                self._put(k, None)
+                yield from out_rows(removal(Op.EXPIRE, k, record, now, self._seq(p, now)))
 
         def close(self) -> None:
             pass
@@ -195,7 +221,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
     """Start the streaming query that maintains one SOW topic; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
-    route = F.udf(Router(spec, bootstrap), ROUTE_SCHEMA, useArrow=True)
+    route = F.udf(Router(spec), ROUTE_SCHEMA, useArrow=True)
     raw = (
         spark.readStream.format("kafka")
         .option("kafka.bootstrap.servers", bootstrap)

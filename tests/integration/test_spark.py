@@ -263,25 +263,30 @@ def test_fold_history_is_order_independent(scripted):
     assert all(isinstance(r, SowRecord) for r in forward.values())
 
 
-def _row(spec: SowTopic, at: int, value: dict | bytes, delta: bool = False, headers=None, offset: int = 0):
+def _row(spec: SowTopic, at: int, value: dict | bytes | None, delta: bool = False, headers=None, offset: int = 0):
     from pyspark.sql import Row
 
-    raw = value if isinstance(value, bytes) else orjson.dumps(value)
+    raw = value if value is None or isinstance(value, bytes) else orjson.dumps(value)
     topic = spec.delta_topic if delta else spec.topic
     return Row(ts=at, rank=int(delta), partition=0, offset=offset, topic=topic, kafka_key=b"k", value=raw, headers=[Row(key=k, value=v) for k, v in headers or []], reason=None)
 
 
 def test_stateful_processor_with_tws_tester():
-    """The streaming runner's StatefulProcessor (no JVM): merge, diff, lifetimes and timer expiry."""
+    """The streaming runner's StatefulProcessor (no JVM): merge, diff, lifetimes, timer expiry, and
+    deletes by filter that see the records of their own micro-batch."""
     from pyspark.sql.streaming.tws_tester import TwsTester
 
-    from processor.runner.spark_stream import make_processor
+    from processor.core.keys import owner_partition
+    from processor.runner.spark_stream import Router, make_processor
 
     spec = SowTopic(topic="orders", key=["/id"], expiration="enabled", partitions=4)
     key = spec.key_spec.sow_key({"id": 1})
+    group = str(owner_partition(key, 4))
+    assert Router(spec)(spec.topic, orjson.dumps({"id": 1}), []) == [(group, None)]
+    assert [g for g, _ in Router(spec)(spec.topic, None, [{"key": "sow-command", "value": b"sow_delete"}, {"key": "sow-filter", "value": b"1=1"}])] == ["0", "1", "2", "3"]
     tester = TwsTester(make_processor(spec)(), timeMode="ProcessingTime", outputMode="Update")
     tester.setProcessingTime(1_000)
-    out = tester.test(key, [
+    out = tester.test(group, [
         _row(spec, 900, {"id": 1, "n": {"x": 1}}, headers=[("sow-expiration", b"5s")], offset=0),
         _row(spec, 950, {"id": 1, "n": {"y": 2}}, delta=True, headers=[("sow-expiration", b"5s")], offset=1),
     ])
@@ -292,11 +297,20 @@ def test_stateful_processor_with_tws_tester():
         ("orders.sow", b"update", {"id": 1, "n": {"x": 1, "y": 2}}),
         ("orders.diff", b"update", {"id": 1, "n": {"y": 2}}),
     ]
-    assert tester.peekValueState("record", key)[2] == 5_950  # the lifetime counts from the input's timestamp
+    seqs = [int(dict((h["key"], h["value"]) for h in r["headers"])["sow-seq"]) for r in out[::2]]
+    assert seqs[0] < seqs[1] and all(s & 1023 == int(group) for s in seqs)  # the worker's layout
+    assert tester.peekMapState("records", group)[(key,)][2] == 5_950  # the lifetime counts from the input's timestamp
     assert tester.setProcessingTime(5_000) == []
     fired = tester.setProcessingTime(6_000)
     assert [(r["topic"], r["value"]) for r in fired] == [("orders.sow", None), ("orders.diff", b'{"id":1,"n":{"x":1,"y":2}}'), ("EXP.orders", b'{"id":1,"n":{"x":1,"y":2}}')]
-    assert tester.peekValueState("record", key) is None
+    assert tester.peekMapState("records", group) == {}
+
+    # A publish and a delete by filter in one micro-batch: the delete sees the new record.
+    out = tester.test(group, [
+        _row(spec, 7_000, {"id": 1, "s": "x"}, offset=2),
+        _row(spec, 7_001, None, headers=[("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'x'")], offset=3),
+    ])
+    assert [dict((h["key"], h["value"]) for h in r["headers"])["sow-op"] for r in out if r["topic"] == "orders.sow"] == [b"insert", b"delete"]
 
 
 def _read_all(bootstrap: str, topic: str, partitions: int) -> list:
