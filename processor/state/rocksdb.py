@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
 
 class RocksDBBackend:
@@ -23,10 +23,11 @@ class RocksDBBackend:
         return self._db.get(key)
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
-        for key, value in self._db.items(from_key=start):
-            if key >= stop:
-                break
-            yield key, value
+        # RocksDB stops at the bound itself: no key comparison in Python per item. The iterator
+        # reads the bound from `options` without holding it, so this frame keeps it alive.
+        options = ReadOptions()
+        options.set_iterate_upper_bound(stop)
+        yield from self._db.items(from_key=start, read_opt=options)
 
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
         batch = WriteBatch(raw_mode=True)
