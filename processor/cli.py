@@ -160,7 +160,8 @@ def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoin
     signal.signal(signal.SIGTERM, stop)
     with _bootstrap_or_embedded(bootstrap) as address:
         try:
-            _, queries = run_stream(address, topo, checkpoints, master=master, trigger=trigger, block=False)
+            topology_dir = Path(topology).resolve().parent.parent if topology else None  # as for the Faust worker
+            _, queries = run_stream(address, topo, checkpoints, master=master, trigger=trigger, block=False, topology_dir=topology_dir)
         except KeyboardInterrupt:
             return
         except Exception as exc:  # the JVM did not start, the connector could not be resolved, ...

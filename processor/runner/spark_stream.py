@@ -20,8 +20,8 @@ Differences from the Faust worker, by design of the engine:
   (same records, so the compacted `.sow` is unaffected; `.diff` may repeat events).
 - Expiry runs on processing-time timers, so at most one trigger interval late; and every trigger
   runs a micro-batch even with no input (Spark does so for processing-time timers).
-- Capacity limits (`capacity`, `capacity_policy`) are not enforced by this engine.
-- Views are not maintained by this engine.
+- Capacity limits (`capacity`, `capacity_policy`) are not enforced by this engine, views are not
+  maintained, and the state lives in the checkpoint whatever the topic's `persistence`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger("ksow.spark")
 
 ERRORS_GROUP = "!errors"  # grouping key of rejected inputs (the others are partition numbers)
 KEY_SCHEMA = "sow_key string"
-RECORD_SCHEMA = "data string, seq long, expires_at long, updated_at long"
+RECORD_SCHEMA = "data binary, seq long, expires_at long, updated_at long"  # data: the codec's bytes (JSON or Avro)
 DUE_KEY_SCHEMA = "at long"
 DUE_SCHEMA = "keys string"  # the SowKeys due at that instant, comma-separated (no SowKey has a comma)
 COUNTER_SCHEMA = "counter long"
@@ -68,12 +68,13 @@ class Router:
     """Which SOW partition(s) an input concerns (a delete by SowKeys or by filter may concern
     several), or the error group with the reason the worker would give."""
 
-    def __init__(self, spec: SowTopic, bootstrap: str | None = None):
+    def __init__(self, spec: SowTopic, base: Path | None = None):
         self.spec = spec
+        self.base = base
         self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
 
     def __call__(self, topic: str, value, headers) -> list[tuple[str, str | None]]:
-        codec = codec_for(self.spec.message_type.value, self.spec.schema_)
+        codec = codec_for(self.spec.message_type.value, self.spec.schema_, self.base)
         try:
             cmd = parse_command(self.spec.key_spec, codec, self.defaults[topic], None if value is None else bytes(value), header_map(_headers(headers)))
         except (InputError, FilterError) as exc:
@@ -86,12 +87,13 @@ class Router:
         return [(str(p), None) for p in range(n)]
 
 
-def make_processor(spec: SowTopic):
-    """The StatefulProcessor class for one SOW topic (built lazily: pyspark is optional)."""
+def make_processor(spec: SowTopic, base: Path | None = None):
+    """The StatefulProcessor class for one SOW topic (built lazily: pyspark is optional). `base`
+    is the folder a relative Avro schema path is relative to (as for the Faust worker)."""
     from pyspark.sql import Row
     from pyspark.sql.streaming import StatefulProcessor
 
-    codec = codec_for(spec.message_type.value, spec.schema_)
+    codec = codec_for(spec.message_type.value, spec.schema_, base)
     policy = spec.expiry
     key_paths = spec.key_spec.split
     defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
@@ -116,13 +118,13 @@ def make_processor(spec: SowTopic):
             if row is None:
                 return None
             data, seq, expires_at, updated_at = row
-            return SowRecord(codec.decode(data.encode()), seq, expires_at, updated_at)
+            return SowRecord(codec.decode(bytes(data)), seq, expires_at, updated_at)
 
         def _put(self, key: str, after: SowRecord | None) -> None:
             if after is None:
                 self.records.removeKey((key,))  # a due entry left behind is skipped when it fires
                 return
-            self.records.updateValue((key,), (codec.encode(after.data).decode(), after.seq, after.expires_at, after.updated_at))
+            self.records.updateValue((key,), (codec.encode(after.data), after.seq, after.expires_at, after.updated_at))
             if policy.active and after.expires_at is not None:
                 at = after.expires_at
                 entry = self.due.getValue((at,))
@@ -176,7 +178,7 @@ def make_processor(spec: SowTopic):
                 keys = [k for k in cmd.keys if owner_partition(k, n) == p]
             else:
                 predicate = compile_filter(cmd.filter or "1=1")
-                keys = [k for (k,), (data, *_) in self.records.iterator() if predicate.matches(codec.decode(data.encode()))]
+                keys = [k for (k,), (data, *_) in self.records.iterator() if predicate.matches(codec.decode(bytes(data)))]
             for key in keys:
                 before = self._get(key)
                 if before is None:
@@ -217,11 +219,11 @@ def make_processor(spec: SowTopic):
     return Processor
 
 
-def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Path, trigger: str = "1 second", starting_offsets: str = "earliest"):
+def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Path, trigger: str = "1 second", starting_offsets: str = "earliest", base: Path | None = None):
     """Start the streaming query that maintains one SOW topic; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
-    route = F.udf(Router(spec), ROUTE_SCHEMA, useArrow=True)
+    route = F.udf(Router(spec, base), ROUTE_SCHEMA, useArrow=True)
     raw = (
         spark.readStream.format("kafka")
         .option("kafka.bootstrap.servers", bootstrap)
@@ -243,7 +245,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
         F.explode(route("topic", "value", "headers")).alias("route"),
     ).select("*", "route.gkey", "route.reason").drop("route")
     outputs = inputs.groupBy("gkey").transformWithState(
-        statefulProcessor=make_processor(spec)(),
+        statefulProcessor=make_processor(spec, base)(),
         outputStructType=OUTPUT_SCHEMA,
         outputMode="Update",
         timeMode="ProcessingTime",
@@ -269,6 +271,7 @@ def run_stream(
     trigger: str = "1 second",
     block: bool = True,
     conf: dict[str, str] | None = None,
+    topology_dir: Path | None = None,
 ):
     """Maintain every SOW topic of the topology with Spark until stopped (Ctrl-C).
 
@@ -285,7 +288,7 @@ def run_stream(
     for spec in topology.sow:
         ensure_topics(admin, topic_configs(spec))
     spark = get_spark(master, "ksow-stream", conf)
-    queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger) for spec in topology.sow]
+    queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger, base=topology_dir) for spec in topology.sow]
     log.info("spark streaming: %d SOW topics, checkpoints in %s", len(queries), checkpoint_dir)
     if not block:
         return spark, queries
