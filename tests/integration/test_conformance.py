@@ -18,7 +18,7 @@ the same in every engine. Asserted:
 - the final SOWs (latest per key of `<topic>.sow`, tombstones removed, with `sow-expires-at`) of
   (a) and (b), the snapshot (c) and the fold (d) are identical;
 - per SowKey, the sequence of (sow-op, value, sow-expires-at) on `<topic>.sow`, `<topic>.diff` and
-  `EXP.<topic>` is identical between (a), (b) and the fold's rendering (d); the rejected inputs on
+  `EXP.<topic>` (`<topic>.dead` for the topic with `expiry_topic: none`) is identical between (a), (b) and the fold's rendering (d); the rejected inputs on
   `<topic>.errors` (value and `sow-error`) are the same multiset.
 
 Compared modulo what legitimately differs by engine: `sow-seq` (a counter floored by each engine's
@@ -71,7 +71,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(48
 SEEDS = {
     101: {"expiration": "enabled"},
     202: {"expiration": "1d"},
-    303: {"expiration": "enabled", "max_expiration": "2d"},
+    303: {"expiration": "enabled", "max_expiration": "2d", "expiry_topic": "none"},  # expired records go to .dead
 }
 PARTITIONS = 2
 SPACING = 10  # ms between the Kafka timestamps of consecutive inputs of a history
@@ -335,7 +335,7 @@ def conformance(kafka_bootstrap, admin, tmp_path_factory, request):
         outputs = {
             (run.seed, engine): {
                 stream: read_all(kafka_bootstrap, topic, PARTITIONS)
-                for stream, topic in (("sow", spec.sow_topic), ("diff", spec.diff_topic), ("expired", spec.expired_topic), ("errors", spec.errors_topic))
+                for stream, topic in (("sow", spec.sow_topic), ("diff", spec.diff_topic), ("expired", spec.expired_topic or spec.dead_topic), ("errors", spec.errors_topic))
             }
             for run in runs
             for engine, spec in run.specs.items()
@@ -385,20 +385,21 @@ def _fold_streams(run: Run) -> dict[str, dict[str, list[tuple]]]:
     codec = codec_for(spec.message_type.value, spec.schema_)
     replay = SowFold(spec, transitions=True)
     streams: dict[str, dict[str, list[tuple]]] = {"sow": defaultdict(list), "diff": defaultdict(list), "expired": defaultdict(list)}
+
+    def add(transitions) -> None:
+        for t in transitions:
+            for e in render(t, codec, spec.expired_topic is not None):
+                h = dict(e.headers)
+                stream = "expired" if e.stream == "dead" else e.stream  # EXP.<topic>, or .dead with expiry_topic: none
+                streams[stream][e.key.decode()].append((h["sow-op"].decode(), _value(e.value), int(h["sow-expires-at"]) if "sow-expires-at" in h else None))
+
     n = 0
     for phase in run.phases:
         for event in phase:
             m = to_message(spec, event, T0 + n * SPACING)
-            transitions = replay.apply(InputMessage(spec.topic, m.partition, n, m.key, m.value, m.headers, m.timestamp))
+            add(replay.apply(InputMessage(spec.topic, m.partition, n, m.key, m.value, m.headers, m.timestamp)))
             n += 1
-            for t in transitions:
-                for e in render(t, codec, True):
-                    h = dict(e.headers)
-                    streams[e.stream][e.key.decode()].append((h["sow-op"].decode(), _value(e.value), int(h["sow-expires-at"]) if "sow-expires-at" in h else None))
-        for t in replay.expire_until(T0 + n * SPACING - 1):
-            for e in render(t, codec, True):
-                h = dict(e.headers)
-                streams[e.stream][e.key.decode()].append((h["sow-op"].decode(), _value(e.value), int(h["sow-expires-at"]) if "sow-expires-at" in h else None))
+        add(replay.expire_until(T0 + n * SPACING - 1))
     return {s: dict(v) for s, v in streams.items()}
 
 
