@@ -4,7 +4,7 @@ the outputs.
 
 Faust gives the worker its group membership, co-partitioned assignment, offset commits, timers and
 web server. The hot path is batched: a batch is applied to the stores, its outputs are produced with
-librdkafka and flushed, the stores commit atomically with their changelog positions, and only then
+librdkafka and delivered, the stores commit atomically with their changelog positions, and only then
 are the input offsets acknowledged. A crash at any point therefore loses nothing: inputs not
 acknowledged are read again, and re-applying them is idempotent for the SOW.
 
@@ -177,7 +177,7 @@ class SowWorker:
                 produce(self.producer, r.topic, r.value, r.key, r.partition, r.headers, on_delivery, r.timestamp)
             counts[r.topic] = counts.get(r.topic, 0) + 1
         if requests:
-            await asyncio.get_running_loop().run_in_executor(None, self.producer.flush)
+            await asyncio.get_running_loop().run_in_executor(None, report.wait, self.producer)
         positions = report.positions()  # raises if anything was not delivered
         for p in list(proc.stores):
             proc.commit(p, positions.get(p))
@@ -259,7 +259,7 @@ class SowWorker:
             if not proc.spec.expiry.active and not any(v.conflation_ms for v in proc.views):
                 continue
             async with self.locks[name]:
-                requests = []  # every partition's, then one delivery: a flush waits for the broker
+                requests = []  # every partition's, then one delivery: each waits for the broker
                 for (topic, p) in list(self.ready):
                     if topic == name:
                         requests += proc.expire_due(p)
@@ -320,34 +320,53 @@ class BatchDrainConsumer(AIOKafkaConsumer):
 
 
 class DeliveryReport:
-    """Delivery reports of one batch, collected without a Python call per message.
+    """Delivery reports of one batch's outputs.
 
-    librdkafka calls on_delivery(err, msg) for every message; here the callbacks are dicts'
-    `__setitem__`, so each report just files msg under its error (None when delivered). Per
-    changelog partition the last delivered message is the one with the highest offset, as the
-    idempotent producer reports a partition's messages in order (and if it did not, the position
-    would only be lower: restore would re-read a little more of the changelog).
+    A batch waits for its own messages only (`wait`), not for the producer's whole queue as
+    `flush()` would: an expiry sweep and an input batch of another SOW topic are in flight at the
+    same time, and neither should wait for the other's deliveries. Reports are served by whichever
+    thread polls the producer; they are appended to lists (atomic under the GIL).
     """
 
     def __init__(self) -> None:
-        self._others: dict = {}
-        self._changelog: dict[int, dict] = {}
+        self.expected = 0
+        self._others: list = []  # errors (None when delivered) of the messages that are not changelog
+        self._changelog: dict[int, list] = {}  # SOW partition -> [(error, message)]
 
     def callback(self, changelog: int | None):
+        """The on_delivery callback of one more message (of changelog partition `changelog`)."""
+        self.expected += 1
         if changelog is None:
-            return self._others.__setitem__
+            return self._other
         filed = self._changelog.get(changelog)
         if filed is None:
-            filed = self._changelog[changelog] = {}
-        return filed.__setitem__
+            filed = self._changelog[changelog] = []
+        return lambda err, msg: filed.append((err, msg))
+
+    def _other(self, err, msg) -> None:
+        self._others.append(err)
+
+    @property
+    def outstanding(self) -> int:
+        return self.expected - len(self._others) - sum(map(len, self._changelog.values()))
+
+    def wait(self, producer) -> None:
+        """Serve delivery reports until all of this batch's are in (runs in an executor thread)."""
+        while self.outstanding > 0:
+            producer.poll(0.01)
 
     def positions(self) -> dict[int, int]:
         """Next changelog offset per SOW partition; raises KafkaException if a message failed."""
-        for filed in (self._others, *self._changelog.values()):
-            for err in filed:
-                if err is not None:
-                    raise KafkaException(err)
-        return {p: filed[None].offset() + 1 for p, filed in self._changelog.items() if None in filed}
+        positions: dict[int, int] = {}
+        failed = [err for err in self._others if err is not None]
+        for p, filed in self._changelog.items():
+            failed += [err for err, _ in filed if err is not None]
+            offsets = [msg.offset() for err, msg in filed if err is None]
+            if offsets:
+                positions[p] = max(offsets) + 1
+        if failed:
+            raise KafkaException(failed[0])
+        return positions
 
 
 def _input(message) -> InputMessage:

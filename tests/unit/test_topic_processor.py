@@ -211,16 +211,18 @@ class _Delivered:
 
 
 def test_delivery_report_positions_and_failures():
-    """Changelog positions are one past the last delivered `.sow` offset per partition; any failed
-    message, changelog or not, fails the whole batch."""
+    """Changelog positions are one past the highest delivered `.sow` offset per partition; any failed
+    message, changelog or not, fails the whole batch; the batch waits for its own messages only."""
     from confluent_kafka import KafkaError, KafkaException
 
     from processor.runner.faust_worker import DeliveryReport
 
     report = DeliveryReport()
-    for p, offset in ((0, 5), (0, 6), (2, 9)):
-        report.callback(p)(None, _Delivered(offset))
-    report.callback(None)(None, _Delivered(100))
+    callbacks = [(report.callback(p), offset) for p, offset in ((0, 6), (0, 5), (2, 9), (None, 100))]
+    assert report.outstanding == 4
+    for callback, offset in callbacks:
+        callback(None, _Delivered(offset))
+    assert report.outstanding == 0
     assert report.positions() == {0: 7, 2: 10}
     report.callback(None)(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered(101))
     with pytest.raises(KafkaException):
