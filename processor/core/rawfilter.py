@@ -216,24 +216,11 @@ def _extract(node: Any, offset: int) -> tuple[RawCheck, int] | None:
                     return True
             return False
 
-    elif len(parts) == 1:
-        findall = re.compile(key + b"(?=" + _VALUE + b")", re.S).findall
-        (name,) = parts
-
-        def check(raw: bytes) -> bool:
-            for token in findall(raw, offset):
-                if token[0] in b"[{":
-                    return True
-                try:
-                    value = loads(token)
-                except orjson.JSONDecodeError:
-                    return True
-                if leaf({name: value}) is True:
-                    return True
-            return False
-
     else:
         findall = re.compile(key + b"(?=" + _VALUE + b")", re.S).findall
+        if len(parts) == 1:
+            (name,) = parts
+            record_with = lambda value: {name: value}  # noqa: E731 - the common case, one dict
 
         def check(raw: bytes) -> bool:
             for token in findall(raw, offset):
