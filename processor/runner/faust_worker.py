@@ -41,7 +41,7 @@ log = logging.getLogger("ksow.worker")
 BATCH_MAX = 500  # inputs per batch (with the batch drain: messages per fetch)
 BATCH_WITHIN = 0.02  # seconds a partial batch may wait (Faust streams only; the batch drain never waits)
 FAUST_STREAM = os.environ.get("KSOW_FAUST_STREAM", "") not in ("", "0")  # the slower agent-stream path
-EXPIRY_TICK = 0.05  # seconds between expiry sweeps (only due records are read)
+EXPIRY_TICK = 0.025  # seconds between expiry sweeps (only due records are read)
 
 
 def free_port() -> int:
