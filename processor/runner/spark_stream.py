@@ -223,6 +223,8 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
     """Start the streaming query that maintains one SOW topic; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
+    from ..spark.snapshot import history_columns
+
     route = F.udf(Router(spec, base), ROUTE_SCHEMA, useArrow=True)
     raw = (
         spark.readStream.format("kafka")
@@ -234,11 +236,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
         .load()
     )
     inputs = raw.select(
-        F.unix_millis("timestamp").alias("ts"),
-        (F.col("topic") == spec.delta_topic).cast("int").alias("rank"),
-        "partition",
-        "offset",
-        "topic",
+        *history_columns(spec),
         F.col("key").alias("kafka_key"),
         "value",
         "headers",

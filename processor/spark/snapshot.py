@@ -37,6 +37,20 @@ if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a
     from pyspark.sql import Column, DataFrame, SparkSession
 
 ORDER = ("ts", "rank", "partition", "offset")  # the history order (see processor.spark.history)
+
+
+def history_columns(spec: SowTopic) -> list:
+    """The ORDER columns of raw Kafka input rows (`<topic>` ranks before `<topic>.delta`), then
+    their topic: the same history order for the snapshot job and the streaming engine."""
+    from pyspark.sql import functions as F
+
+    return [
+        F.unix_millis("timestamp").alias("ts"),
+        (F.col("topic") == spec.delta_topic).cast("int").alias("rank"),
+        "partition",
+        "offset",
+        "topic",
+    ]
 # Python's str.strip()/isspace() whitespace, as a Java regex class: Unicode White_Space + \x1c-\x1f.
 _WS = r"[\s\x1c-\x1f]"
 OUTPUT_SCHEMA = "sow_key string, record string, expires_at long, updated_at long"
@@ -187,15 +201,7 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
         raise SnapshotError(f"{spec.topic}: Spark snapshots read JSON topics (message_type {spec.message_type.value} is not supported)")
     # Staged projections: each costly expression (the JSON parse above all) is computed once into
     # a column that later stages reference (Spark does not inline non-cheap aliases used twice).
-    df = raw.select(
-        F.unix_millis("timestamp").alias("ts"),
-        (F.col("topic") == spec.delta_topic).cast("int").alias("rank"),
-        "partition",
-        "offset",
-        "topic",
-        "value",
-        "headers",
-    )
+    df = raw.select(*history_columns(spec), "value", "headers")
     if as_of is not None:
         df = df.where(F.col("ts") <= as_of)
 
