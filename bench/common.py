@@ -23,7 +23,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from processor.kafka import ensure_topics, make_producer, produce  # noqa: E402
+from processor.kafka.clients import ensure_topics, make_producer, produce
 
 
 # broker ------------------------------------------------------------------------------------
@@ -35,7 +35,7 @@ def kafka_bootstrap() -> Iterator[str]:
         log(f"kafka: external {external}")
         yield external
         return
-    from processor.broker.embedded import EmbeddedKafka
+    from processor.kafka.embedded import EmbeddedKafka
 
     log("kafka: no KAFKA_BOOTSTRAP, starting the embedded broker...")
     with EmbeddedKafka() as kafka:

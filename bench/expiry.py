@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
 from processor.core.keys import KeySpec  # noqa: E402
-from processor.kafka import end_offsets, make_consumer, read_until  # noqa: E402
+from processor.kafka.clients import end_offsets, make_consumer, read_until
 
 PARTITIONS = 4
 
@@ -94,7 +94,7 @@ def run(bootstrap: str, n: int, window: float, stream: int, with_expiry: bool) -
             load_s = max(20.0, n / 2500)
             start_at = time.time() + load_s
             rnd = random.Random(1)
-            from processor.kafka import make_producer, produce
+            from processor.kafka.clients import make_producer, produce
 
             producer = make_producer(bootstrap, **{"linger.ms": 20})
             began = time.time()

@@ -28,8 +28,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import kafka_bootstrap, log, unique_name  # noqa: E402
-from processor.client import Client  # noqa: E402
-from processor.kafka import make_consumer  # noqa: E402
+from processor.client.sow_client import Client
+from processor.kafka.clients import make_consumer
 from processor.topology import load_topology  # noqa: E402
 
 SYMBOLS = [f"S{i}" for i in range(20)]
@@ -79,7 +79,7 @@ def main() -> None:
             bare = make_consumer(bootstrap)
             from confluent_kafka import TopicPartition
 
-            from processor.kafka import end_offsets
+            from processor.kafka.clients import end_offsets
 
             bare.assign([TopicPartition(f"{topic}.sow", p, high) for p, (_, high) in end_offsets(bare, f"{topic}.sow", range(4)).items()])
 

@@ -49,7 +49,7 @@ from bench.common import (  # noqa: E402
     median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
 )
 from processor.core.keys import checksum_key  # noqa: E402
-from processor.kafka import topic_configs  # noqa: E402
+from processor.kafka.clients import topic_configs
 from processor.topology import parse_topology  # noqa: E402
 
 PARTITIONS = 4
@@ -182,7 +182,7 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
     from rocksdict import Options, Rdict, WriteBatch
 
     from processor.core.merge import diff, merge
-    from processor.kafka import make_consumer, make_producer
+    from processor.kafka.clients import make_consumer, make_producer
 
     began = time.time()
     consumer = make_consumer(bootstrap, **{"enable.partition.eof": False})

@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import kafka_bootstrap, log, peak_rss_mb, unique_name  # noqa: E402
-from processor.api.types import SowRecord  # noqa: E402
-from processor.runner import query as query_module  # noqa: E402
-from processor.runner.query import SowQuery, run_query  # noqa: E402
+from processor.contract.types import SowRecord
+from processor.query import engine as query_module
+from processor.query.engine import SowQuery, run_query
 from processor.state import IndexSpec, open_partition_store  # noqa: E402
 
 INDEXES = (("/customer",), ("/region", "/status"))
@@ -75,7 +75,7 @@ def http_round_trip(repeat: int) -> tuple[float, float] | None:
     """p50 of an indexed query over HTTP to a live worker on a small SOW, vs. the store call alone."""
     import yaml
 
-    from processor.client import Client
+    from processor.client.sow_client import Client
     from processor.topology import load_topology
 
     with kafka_bootstrap() as bootstrap:

@@ -33,9 +33,9 @@ import pyarrow.parquet as pq  # noqa: E402
 from confluent_kafka import KafkaException, TopicPartition  # noqa: E402
 
 from bench.common import kafka_bootstrap, log  # noqa: E402
-from processor.kafka import ensure_topics, make_consumer, make_producer, produce, read_until  # noqa: E402
-from processor.runner.topic_processor import InputMessage  # noqa: E402
-from processor.spark.history import SowFold, in_order  # noqa: E402
+from processor.kafka.clients import ensure_topics, make_consumer, make_producer, produce, read_until
+from processor.engine.topic import InputMessage
+from processor.engine.fold import SowFold, in_order
 from processor.topology import SowTopic  # noqa: E402
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z: event i has timestamp T0 + i
@@ -186,8 +186,8 @@ def main() -> None:
     with kafka_bootstrap() as bootstrap:
         ensure_history(bootstrap, spec, args.events, args.keys)
 
-        from processor.spark.session import get_spark
-        from processor.spark.snapshot import write_snapshot
+        from processor.batch.session import get_spark
+        from processor.batch.snapshot import write_snapshot
 
         t = time.perf_counter()
         spark = get_spark(args.master, "ksow-bench-snapshot")

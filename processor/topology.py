@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .core.durations import DurationError, parse_duration_ms
-from .core.expiry import ExpirationMode, ExpiryPolicy
-from .core.keys import KeySpec
-from .core.paths import PathError, split_path
+from processor.core.durations import DurationError, parse_duration_ms
+from processor.core.expiry import ExpirationMode, ExpiryPolicy
+from processor.core.keys import KeySpec
+from processor.core.paths import PathError, split_path
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "default.yaml"
 

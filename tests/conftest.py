@@ -76,7 +76,7 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> Iterator[str]:
             )
             yield bootstrap
         return
-    from processor.broker.embedded import EmbeddedKafka
+    from processor.kafka.embedded import EmbeddedKafka
 
     with EmbeddedKafka() as kafka:
         _announce(

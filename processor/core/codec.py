@@ -9,7 +9,7 @@ from typing import Protocol
 
 import orjson
 
-from ..api.types import InputError
+from processor.contract.types import InputError
 
 
 class Codec(Protocol):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..api.types import Command, InputError, SowCommand
-from .codec import Codec
-from .durations import DurationError, parse_duration_ms
-from .filters import FilterError, compile_filter
-from .keys import KeyError_, KeySpec, validate_user_key
+from processor.contract.types import Command, InputError, SowCommand
+from processor.core.codec import Codec
+from processor.core.durations import DurationError, parse_duration_ms
+from processor.core.filters import FilterError, compile_filter
+from processor.core.keys import KeyError_, KeySpec, validate_user_key
 
 H_COMMAND = "sow-command"
 H_EXPIRATION = "sow-expiration"

@@ -44,7 +44,7 @@ from typing import Any, Callable
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
-from .paths import MISSING, get_path, split_path
+from processor.core.paths import MISSING, get_path, split_path
 
 __all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "MATCH_ALL"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from .paths import MISSING, get_path, split_path
+from processor.core.paths import MISSING, get_path, split_path
 
 SowKey = str
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .paths import MISSING, get_path, set_path
+from processor.core.paths import MISSING, get_path, set_path
 
 
 def merge(existing: dict | None, delta: dict) -> dict:

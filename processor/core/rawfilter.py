@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import orjson
 
-from .filters import (
+from processor.core.filters import (
     Affix, And, Between, Compare, Filter, Func, In, IsNull, Like, Lit, Not, Or, Path, _compile, index_keys,
-)  # fmt: skip
-from .paths import split_path
+)
+from processor.core.paths import split_path
 
 __all__ = ["raw_prefilter", "RawCheck"]
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import orjson
 
-from ..api.types import Command, Op, OutputEvent, SowCommand, SowRecord
-from .codec import Codec
-from .commands import H_ACTUAL_EXPIRY, H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
-from .expiry import ExpiryPolicy
-from .merge import diff, merge
+from processor.contract.types import Command, Op, OutputEvent, SowCommand, SowRecord
+from processor.core.codec import Codec
+from processor.core.commands import H_ACTUAL_EXPIRY, H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
+from processor.core.expiry import ExpiryPolicy
+from processor.core.merge import diff, merge
 
 
 @dataclass(slots=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..api.types import Op
-from .merge import diff, has_data_changes, merge
-from .paths import project, split_path
+from processor.contract.types import Op
+from processor.core.merge import diff, has_data_changes, merge
+from processor.core.paths import project, split_path
 
 Predicate = Callable[[dict], bool]
 

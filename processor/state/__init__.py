@@ -1,5 +1,5 @@
 """SOW stores: one contract (`base`), backends beside it (`rocksdb`, `memory`)."""
 
-from .base import IndexSpec, PartitionStore, open_partition_store
+from processor.state.base import IndexSpec, PartitionStore, open_partition_store
 
 __all__ = ["IndexSpec", "PartitionStore", "open_partition_store"]

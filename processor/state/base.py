@@ -24,9 +24,9 @@ from typing import Iterator, Protocol
 
 import orjson
 
-from ..api.types import SowRecord
-from ..core.filters import index_keys
-from ..core.paths import get_path, split_path
+from processor.contract.types import SowRecord
+from processor.core.filters import index_keys
+from processor.core.paths import get_path, split_path
 
 _REC = b"r"
 _EXP = b"x"
@@ -298,12 +298,12 @@ class PartitionStore:
 def open_partition_store(kind: str, path: str | None, indexes: IndexSpec) -> PartitionStore:
     """A store for one partition: kind 'rocksdb' (a folder at path) or 'memory'."""
     if kind == "rocksdb":
-        from .rocksdb import RocksDBBackend
+        from processor.state.rocksdb import RocksDBBackend
 
         assert path is not None
         return PartitionStore(RocksDBBackend(path), indexes)
     if kind == "memory":
-        from .memory import MemoryBackend
+        from processor.state.memory import MemoryBackend
 
         return PartitionStore(MemoryBackend(), indexes)
     raise ValueError(f"unknown store kind {kind!r}")

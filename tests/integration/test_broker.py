@@ -170,7 +170,7 @@ def test_compaction_really_removes_superseded_values(kafka_bootstrap, admin, uni
 
 
 def test_embedded_pom_copy_matches_repo_pom():
-    from processor.broker.embedded import POM_XML
+    from processor.kafka.embedded import POM_XML
 
     assert (REPO / "ops" / "kafka-pom.xml").read_text() == POM_XML
 
@@ -232,7 +232,7 @@ def test_broker_jvm_dies_with_a_killed_parent():
         if jvm_pid is not None and _alive(jvm_pid):
             os.kill(jvm_pid, signal.SIGKILL)
     # the next embedded start sweeps the orphaned temp dir; do it here to be tidy
-    from processor.broker.embedded import _sweep_stale_temp_dirs
+    from processor.kafka.embedded import _sweep_stale_temp_dirs
 
     _sweep_stale_temp_dirs()
     assert not Path(data_dir).exists()

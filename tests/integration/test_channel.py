@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from processor.client import Client
+from processor.client.sow_client import Client
 from processor.core.keys import owner_partition
 from processor.topology import load_topology
 

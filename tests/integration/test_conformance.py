@@ -7,8 +7,8 @@ runs through:
 
   (a) the Faust worker (a `ksow up` subprocess),
   (b) the Spark streaming runner (`run_stream`, transformWithState),
-  (c) the Spark snapshot job (`processor.spark.snapshot.snapshot`) at the instant of the check,
-  (d) the reference fold (`processor.spark.history.SowFold`), which also renders the outputs the
+  (c) the Spark snapshot job (`processor.batch.snapshot.snapshot`) at the instant of the check,
+  (d) the reference fold (`processor.engine.fold.SowFold`), which also renders the outputs the
       core says the workers must produce.
 
 Each engine gets its own topics (its own topology) fed the same messages, with the same Kafka
@@ -58,9 +58,9 @@ from hypothesis import strategies as st  # noqa: E402
 from processor.core.codec import codec_for  # noqa: E402
 from processor.core.keys import owner_partition  # noqa: E402
 from processor.core.sow import render  # noqa: E402
-from processor.kafka import ensure_topics, make_consumer, make_producer, topic_configs  # noqa: E402
-from processor.runner.topic_processor import InputMessage  # noqa: E402
-from processor.spark.history import SowFold  # noqa: E402
+from processor.kafka.clients import ensure_topics, make_consumer, make_producer, topic_configs
+from processor.engine.topic import InputMessage
+from processor.engine.fold import SowFold
 from processor.topology import SowTopic, Topology  # noqa: E402
 
 from .workers import Worker, headers_of, read_all  # noqa: E402
@@ -248,7 +248,7 @@ def _plan(seed: int, base: str) -> Run:
 
 
 def _snapshot(spark, bootstrap: str, spec: SowTopic, as_of: int) -> dict[str, tuple]:
-    from processor.spark.snapshot import snapshot
+    from processor.batch.snapshot import snapshot
 
     return {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in snapshot(spark, bootstrap, spec, as_of).collect()}
 
@@ -289,8 +289,8 @@ def _wait_for_outputs(bootstrap: str, runs: list[Run], phase: int, queries, work
 
 @pytest.fixture(scope="module")
 def conformance(kafka_bootstrap, admin, tmp_path_factory, request):
-    from processor.runner.spark_stream import run_stream
-    from processor.spark.session import get_spark
+    from processor.runners.spark.stream import run_stream
+    from processor.batch.session import get_spark
 
     began = time.monotonic()
     base = f"t_conf_{uuid.uuid4().hex[:6]}"

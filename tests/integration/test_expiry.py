@@ -8,7 +8,7 @@ from collections import Counter
 import orjson
 import pytest
 
-from processor.client import Client
+from processor.client.sow_client import Client
 from processor.topology import load_topology
 
 from .workers import Worker, headers_of, read_all, wait_until, write_topology

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from processor.client import Client
+from processor.client.sow_client import Client
 from processor.core.filters import FilterError
 from processor.topology import load_topology
 
@@ -58,7 +58,7 @@ def test_indexed_queries_read_only_candidates(cluster):
 
     import orjson
 
-    from processor.runner.registry import live_workers
+    from processor.kafka.registry import live_workers
 
     topic, client = cluster
     _load(client, topic)
@@ -87,7 +87,7 @@ def test_delete_by_filter_reports_the_count_and_emits_deletes(cluster, kafka_boo
 def test_workers_expose_prometheus_metrics(cluster):
     import urllib.request
 
-    from processor.runner.registry import live_workers
+    from processor.kafka.registry import live_workers
 
     topic, client = cluster
     _load(client, topic, n=30)

@@ -2,7 +2,7 @@
 
 The history is produced once per module with explicit Kafka timestamps, so every instant's SOW is
 known exactly; each snapshot is checked against a hand-written SOW and against the reference fold
-(`processor.spark.history.fold_history`). One SparkSession (local[2]) serves the whole module.
+(`processor.engine.fold.fold_history`). One SparkSession (local[2]) serves the whole module.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'ksow[spark]')")
 
-from processor.api.types import SowRecord  # noqa: E402
+from processor.contract.types import SowRecord
 from processor.core.durations import DurationError, parse_duration_ms  # noqa: E402
-from processor.kafka import ensure_topics, make_consumer, make_producer, read_until  # noqa: E402
-from processor.runner.topic_processor import InputMessage  # noqa: E402
-from processor.spark.history import fold_history  # noqa: E402
+from processor.kafka.clients import ensure_topics, make_consumer, make_producer, read_until
+from processor.engine.topic import InputMessage
+from processor.engine.fold import fold_history
 from processor.topology import SowTopic, Topology  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.timeout(300)]
@@ -89,7 +89,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def spark():
-    from processor.spark.session import get_spark
+    from processor.batch.session import get_spark
 
     session = get_spark("local[2]", "ksow-tests", {"spark.sql.shuffle.partitions": "2"})
     yield session
@@ -131,7 +131,7 @@ def _as_sow(s: Scripted, expected: dict[int, tuple[dict, int | None]]) -> dict[s
 
 @pytest.mark.parametrize("at", sorted(EXPECTED))
 def test_snapshot_at_three_instants(spark, scripted, at):
-    from processor.spark.snapshot import snapshot
+    from processor.batch.snapshot import snapshot
 
     rows = snapshot(spark, scripted.bootstrap, scripted.spec, T0 + at).collect()
     got = {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in rows}
@@ -142,7 +142,7 @@ def test_snapshot_at_three_instants(spark, scripted, at):
 
 def test_replay_from_instant(spark, scripted):
     """The snapshot at --from, then each change with the workers' ops and diffs, in order."""
-    from processor.spark.replay import replay
+    from processor.batch.replay import replay
 
     events = list(replay(spark, scripted.bootstrap, scripted.spec, T0 + 5500, T0 + 12500))
     sow = [e for e in events if e["op"] == "sow"]
@@ -171,8 +171,8 @@ def test_replay_from_instant(spark, scripted):
 
 def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones out, fields as columns."""
-    from processor.kafka import topic_configs
-    from processor.spark.sql import run_sql
+    from processor.kafka.clients import topic_configs
+    from processor.batch.sql import run_sql
 
     name = f"t_spark_sql_{int(time.time() * 1000) % 10**9}"
     spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2)
@@ -210,7 +210,7 @@ def test_lifetime_expression_agrees_with_the_core(spark):
     """The Spark rendering of sow-expiration parsing + ExpiryPolicy.lifetime_ms equals the core's."""
     from pyspark.sql import functions as F
 
-    from processor.spark.snapshot import lifetime_expr
+    from processor.batch.snapshot import lifetime_expr
 
     df = spark.createDataFrame([(c,) for c in LIFETIME_CASES], "raw string")
     columns = []
@@ -233,7 +233,7 @@ def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
     """`ksow snapshot` (in-process, on the module's SparkSession): --filter, JSON lines, --out."""
     from click.testing import CliRunner
 
-    from processor.spark_cli import main
+    from processor.cli.spark import main
 
     topo = tmp_path / "topo.yaml"
     topo.write_text(json.dumps({"sow": [{"topic": scripted.spec.topic, "key": ["/id"], "expiration": "enabled", "partitions": 2}]}))
@@ -277,7 +277,7 @@ def test_stateful_processor_with_tws_tester():
     from pyspark.sql.streaming.tws_tester import TwsTester
 
     from processor.core.keys import owner_partition
-    from processor.runner.spark_stream import Router, make_processor
+    from processor.runners.spark.stream import Router, make_processor
 
     spec = SowTopic(topic="orders", key=["/id"], expiration="enabled", partitions=4)
     key = spec.key_spec.sow_key({"id": 1})
@@ -326,8 +326,8 @@ def _read_all(bootstrap: str, topic: str, partitions: int) -> list:
 
 def test_streaming_runner_maintains_the_sow(spark, kafka_bootstrap, tmp_path):
     """`run_stream`: inputs in, `.sow`/`.diff`/`EXP.`/`.errors` out, a delete by filter fanned out."""
-    from processor.client import Client
-    from processor.runner.spark_stream import run_stream
+    from processor.client.sow_client import Client
+    from processor.runners.spark.stream import run_stream
 
     name = f"t_spark_stream_{int(time.time() * 1000) % 10**9}"
     spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
@@ -392,8 +392,8 @@ def test_streaming_runner_survives_stop_and_restart(spark, kafka_bootstrap, tmp_
     deltas merge into the state from before the stop, the deletes (by data, SowKeys and filter)
     find their records, a lifetime that ran out during the downtime expires, and no input is
     applied twice (a clean stop commits its last micro-batch)."""
-    from processor.client import Client
-    from processor.runner.spark_stream import run_stream
+    from processor.client.sow_client import Client
+    from processor.runners.spark.stream import run_stream
 
     name = f"t_spark_restart_{int(time.time() * 1000) % 10**9}"
     spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
@@ -523,7 +523,7 @@ def test_stateful_processor_on_an_avro_topic():
 
     from processor.core.codec import AvroCodec
     from processor.core.keys import owner_partition
-    from processor.runner.spark_stream import Router, make_processor
+    from processor.runners.spark.stream import Router, make_processor
 
     repo = Path(__file__).resolve().parents[2]
     spec = SowTopic(topic="ao", key=["/order_id"], message_type="avro", schema="schemas/orders.avsc", partitions=2)

@@ -9,7 +9,7 @@ import orjson
 import pytest
 import yaml
 
-from processor.client import Client
+from processor.client.sow_client import Client
 from processor.topology import load_topology
 
 from .workers import Worker, headers_of, read_all, wait_until

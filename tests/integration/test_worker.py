@@ -8,7 +8,7 @@ import uuid
 import orjson
 import pytest
 
-from processor.client import Client
+from processor.client.sow_client import Client
 from processor.core.merge import merge
 from processor.topology import load_topology
 

@@ -14,7 +14,7 @@ import orjson
 import yaml
 from confluent_kafka import Producer, TopicPartition
 
-from processor.kafka import end_offsets, make_consumer, read_until
+from processor.kafka.clients import end_offsets, make_consumer, read_until
 
 
 def write_topology(tmp_path: Path, topic: str, **options) -> Path:

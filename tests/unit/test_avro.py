@@ -7,10 +7,10 @@ import fastavro
 import orjson
 import pytest
 
-from processor.api.types import InputError
+from processor.contract.types import InputError
 from processor.core.codec import AvroCodec
 from processor.core.keys import owner_partition
-from processor.runner.topic_processor import InputMessage, SowTopicProcessor
+from processor.engine.topic import InputMessage, SowTopicProcessor
 from processor.topology import parse_topology
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "orders.avsc"

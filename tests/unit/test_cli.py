@@ -4,7 +4,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from processor.cli import main
+from processor.cli.commands import main
 
 NOWHERE = ["--bootstrap", "127.0.0.1:1"]  # nothing may be sent, so nothing needs to listen
 

@@ -6,7 +6,7 @@ import sys
 
 from click.testing import CliRunner
 
-from processor.cli import main
+from processor.cli.commands import main
 
 
 def test_up_offers_both_engines_faust_by_default():

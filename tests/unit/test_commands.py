@@ -2,7 +2,7 @@
 
 import pytest
 
-from processor.api.types import Command, InputError
+from processor.contract.types import Command, InputError
 from processor.core.codec import JsonCodec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import KeySpec

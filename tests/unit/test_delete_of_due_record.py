@@ -9,10 +9,10 @@ deleting such a record when the publish and the delete came in one batch, before
 
 import orjson
 
-from processor.api.types import Op
+from processor.contract.types import Op
 from processor.core.keys import owner_partition
-from processor.runner.topic_processor import InputMessage, SowTopicProcessor
-from processor.spark.history import SowFold
+from processor.engine.topic import InputMessage, SowTopicProcessor
+from processor.engine.fold import SowFold
 from processor.topology import parse_topology
 
 N = 2

@@ -2,9 +2,9 @@
 
 import pytest
 
-from processor.api.types import SowRecord
+from processor.contract.types import SowRecord
 from processor.core.filters import compile_filter
-from processor.runner.query import SowQuery, choose_index, order_and_cut, run_query
+from processor.query.engine import SowQuery, choose_index, order_and_cut, run_query
 from processor.state import IndexSpec, open_partition_store
 
 INDEXES = (("/status",), ("/region", "/desk"))

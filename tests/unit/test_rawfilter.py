@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from processor.api.types import SowRecord
+from processor.contract.types import SowRecord
 from processor.core.filters import compile_filter
 from processor.core.rawfilter import CASE_FROM_NON_ASCII, raw_prefilter
-from processor.runner.query import SowQuery, run_query
+from processor.query.engine import SowQuery, run_query
 from processor.state import IndexSpec, open_partition_store
 from processor.state.base import RECORD_HEADER_SIZE, encode_record
 from tests.unit.test_filters import PATTERNS, STRINGS, probes, render

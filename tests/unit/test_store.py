@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from processor.api.types import SowRecord
+from processor.contract.types import SowRecord
 from processor.state import IndexSpec, open_partition_store
 
 

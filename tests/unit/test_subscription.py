@@ -1,6 +1,6 @@
 """What a subscriber sees: seed 001's examples, focus (oof), select lists, empties, conflation."""
 
-from processor.api.types import Op
+from processor.contract.types import Op
 from processor.core.subscription import SubscriptionSpec, conflate
 
 ORDER_KEY = (("order",),)

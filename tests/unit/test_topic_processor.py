@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from processor.core.keys import owner_partition
-from processor.runner.topic_processor import H_LOCAL, InputMessage, SowTopicProcessor
+from processor.engine.topic import H_LOCAL, InputMessage, SowTopicProcessor
 from processor.topology import parse_topology
 
 N = 4
@@ -215,7 +215,7 @@ def test_delivery_report_positions_and_failures():
     message, changelog or not, fails the whole batch; the batch waits for its own messages only."""
     from confluent_kafka import KafkaError, KafkaException
 
-    from processor.runner.faust_worker import DeliveryReport
+    from processor.runners.faust.worker import DeliveryReport
 
     report = DeliveryReport()
     callbacks = [(report.callback(p), offset) for p, offset in ((0, 6), (0, 5), (2, 9), (None, 100))]

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Iterator
 
 import orjson
 
-from ..api.types import SowRecord
-from ..core.sow import Transition
-from ..runner.topic_processor import InputMessage
-from ..topology import SowTopic
-from .history import SowFold
-from .snapshot import ORDER, input_offsets, read_inputs, snapshot
+from processor.contract.types import SowRecord
+from processor.core.sow import Transition
+from processor.engine.topic import InputMessage
+from processor.topology import SowTopic
+from processor.engine.fold import SowFold
+from processor.batch.snapshot import ORDER, input_offsets, read_inputs, snapshot
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

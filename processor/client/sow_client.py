@@ -19,15 +19,15 @@ from typing import Any, Iterator
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from .api.types import InputError, Op, SowRecord
-from .core import commands as h
-from .core.codec import Codec, codec_for
-from .core.durations import parse_duration_ms
-from .core.keys import KeyError_
-from .core.subscription import SubscriptionSpec, conflate
-from .kafka import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
-from .runner.query import SowQuery, order_and_cut, result, selection
-from .topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
+from processor.contract.types import InputError, Op, SowRecord
+from processor.core import commands as h
+from processor.core.codec import Codec, codec_for
+from processor.core.durations import parse_duration_ms
+from processor.core.keys import KeyError_
+from processor.core.subscription import SubscriptionSpec, conflate
+from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from processor.query.engine import SowQuery, order_and_cut, result, selection
+from processor.topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
 
 
 REGISTRY_CACHE_S = 2.0  # how long a client trusts its list of workers (a miss re-reads it at once)
@@ -144,7 +144,7 @@ class Client:
         value = None
         key = None
         if filter is not None:
-            from .core.filters import compile_filter
+            from processor.core.filters import compile_filter
 
             compile_filter(filter)  # raises FilterError pointing at the position
             headers.append((h.H_FILTER, filter.encode()))
@@ -224,7 +224,7 @@ class Client:
         spec = self.spec(topic)
         query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
         if filter:
-            from .core.filters import compile_filter
+            from processor.core.filters import compile_filter
 
             compile_filter(filter)  # a bad filter is the caller's error, with its position
         rows = self._query_workers(spec, query)
@@ -262,7 +262,7 @@ class Client:
 
     def _workers(self, fresh: bool = False) -> list[dict]:
         """The group's live workers, re-read from the registry at most every REGISTRY_CACHE_S."""
-        from .runner.registry import live_workers
+        from processor.kafka.registry import live_workers
 
         now = time.monotonic()
         if fresh or self._registry is None or now - self._registry[0] > REGISTRY_CACHE_S:
@@ -285,7 +285,7 @@ class Client:
     def _subscription_spec(self, spec: SowTopic, filter: str | None, **options) -> SubscriptionSpec:
         predicate = None
         if filter:
-            from .core.filters import compile_filter
+            from processor.core.filters import compile_filter
 
             predicate = compile_filter(filter).matches
         kwargs = {k: v for k, v in options.items() if v is not None}

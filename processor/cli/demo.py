@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .client import Client
-from .topology import load_topology
+from processor.client.sow_client import Client
+from processor.topology import load_topology
 
 console = Console(highlight=False)
 STYLE = {"sow": "cyan", "insert": "green", "update": "yellow", "delete": "red", "expire": "magenta", "evict": "red", "oof": "blue"}

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from ..api.types import Op
-from ..core.commands import H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
-from ..core.durations import parse_duration_ms
-from ..core.filters import compile_filter
-from ..core.subscription import SubscriptionSpec, conflate
-from ..core.sow import Transition
-from ..topology import SowTopic, View
+from processor.contract.types import Op
+from processor.core.commands import H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
+from processor.core.durations import parse_duration_ms
+from processor.core.filters import compile_filter
+from processor.core.subscription import SubscriptionSpec, conflate
+from processor.core.sow import Transition
+from processor.topology import SowTopic, View
 
 H_OOF_REASON = "sow-oof-reason"
 

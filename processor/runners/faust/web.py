@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from ..core.filters import FilterError
-from . import metrics
-from .query import SowQuery, run_query
-from .registry import REFRESH_S, REGISTRY_TOPIC, announcement
+from processor.core.filters import FilterError
+from processor.runners.faust import metrics
+from processor.query.engine import SowQuery, run_query
+from processor.kafka.registry import REFRESH_S, REGISTRY_TOPIC, announcement
 
 if TYPE_CHECKING:
-    from .faust_worker import SowWorker
+    from processor.runners.faust.worker import SowWorker
 
 
 def install_web(worker: "SowWorker", app) -> None:

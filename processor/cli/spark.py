@@ -2,7 +2,7 @@
 
 `register(main)` adds them to the `ksow` group; nothing here imports pyspark until a command
 runs, so `ksow --help` and the other commands start without a JVM. Also runnable on its own:
-`python -m processor.spark_cli snapshot ...`.
+`python -m processor.cli.spark snapshot ...`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def _write(line: bytes) -> None:
 
 def _setup(bootstrap: str | None, topology: str | None, master: str, app: str):
     """Bootstrap, topology and a SparkSession, or a clear error before any JVM starts."""
-    from .kafka import resolve_bootstrap
-    from .topology import TopologyError, load_topology
+    from processor.kafka.clients import resolve_bootstrap
+    from processor.topology import TopologyError, load_topology
 
     resolved = resolve_bootstrap(bootstrap)
     if not resolved:
@@ -40,13 +40,13 @@ def _setup(bootstrap: str | None, topology: str | None, master: str, app: str):
         import pyspark  # noqa: F401
     except ImportError:
         raise click.ClickException("the Spark commands need pyspark: pip install 'ksow[spark]'") from None
-    from .spark.session import get_spark
+    from processor.batch.session import get_spark
 
     return resolved, topo, lambda: get_spark(master, app)
 
 
 def _spec(topo, topic: str):
-    from .topology import TopologyError
+    from processor.topology import TopologyError
 
     try:
         return topo.topic(topic)
@@ -55,7 +55,7 @@ def _spec(topo, topic: str):
 
 
 def _instant(text: str, option: str) -> int:
-    from .spark.snapshot import SnapshotError, parse_instant
+    from processor.batch.snapshot import SnapshotError, parse_instant
 
     try:
         return parse_instant(text)
@@ -83,8 +83,8 @@ def _json_default(value):
 @click.option("--out", default=None, type=click.Path(), help="Write Parquet here (sow_key, record, expires_at, updated_at) instead of JSON lines.")
 def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
     """The SOW of TOPIC exactly as it stood at an instant, rebuilt from its input topics."""
-    from .core.filters import FilterError, compile_filter
-    from .spark.snapshot import SnapshotError, write_snapshot
+    from processor.core.filters import FilterError, compile_filter
+    from processor.batch.snapshot import SnapshotError, write_snapshot
 
     instant = _instant(as_of, "--as-of")
     if filter_:
@@ -126,8 +126,8 @@ def _print_parquet(path: str) -> None:
 @click.option("--to", "end", default=None, help="End instant (default: everything so far).")
 def replay(bootstrap, topology, master, topic, start, end) -> None:
     """The SOW of TOPIC at --from (op "sow"), then every change after it, as JSON lines."""
-    from .spark.replay import replay as run
-    from .spark.snapshot import SnapshotError
+    from processor.batch.replay import replay as run
+    from processor.batch.snapshot import SnapshotError
 
     first = _instant(start, "--from")
     last = _instant(end, "--to") if end else None
@@ -148,7 +148,7 @@ def replay(bootstrap, topology, master, topic, start, end) -> None:
 @click.option("--out", default=None, type=click.Path(), help="Write the result as Parquet here instead of JSON lines.")
 def sql(bootstrap, topology, master, query, out) -> None:
     """Spark SQL over the current SOW: each SOW topic is a view named like it (dots -> underscores)."""
-    from .spark.sql import run_sql
+    from processor.batch.sql import run_sql
 
     resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-sql")
     session = spark()

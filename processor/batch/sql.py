@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from ..core.commands import H_EXPIRES_AT
-from ..topology import MessageType, SowTopic, Topology
+from processor.core.commands import H_EXPIRES_AT
+from processor.topology import MessageType, SowTopic, Topology
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -2,7 +2,7 @@
 core. No Spark here: the Spark snapshot is tested and benchmarked against this, and `ksow replay`
 uses it for the changes after its starting snapshot.
 
-What "the history" means (the same rules as `processor.runner.topic_processor`):
+What "the history" means (the same rules as `processor.engine.topic`):
 - Inputs are `<topic>` (default command publish) and `<topic>.delta` (delta_publish), never
   `<topic>.repartition` (it only holds copies of them).
 - Order: by (Kafka timestamp, topic rank (`<topic>` before `<topic>.delta`), partition, offset).
@@ -21,16 +21,16 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator
 
-from ..api.types import Command, InputError, Op, SowCommand, SowRecord
-from ..core.codec import Codec, codec_for
-from ..core.commands import header_map, parse_command
-from ..core.expiry import is_due
-from ..core.filters import FilterError, compile_filter
-from ..core.keys import owner_partition
-from ..core.merge import merge
-from ..core.sow import Transition, apply_write, removal
-from ..runner.topic_processor import SEQ_PARTITION_BITS, InputMessage
-from ..topology import SowTopic
+from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
+from processor.core.codec import Codec, codec_for
+from processor.core.commands import header_map, parse_command
+from processor.core.expiry import is_due
+from processor.core.filters import FilterError, compile_filter
+from processor.core.keys import owner_partition
+from processor.core.merge import merge
+from processor.core.sow import Transition, apply_write, removal
+from processor.engine.topic import SEQ_PARTITION_BITS, InputMessage
+from processor.topology import SowTopic
 
 
 def topic_rank(spec: SowTopic, topic: str) -> int:

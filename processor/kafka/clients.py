@@ -9,7 +9,7 @@ from typing import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from .topology import SowTopic
+from processor.topology import SowTopic
 
 # librdkafka's default 1 s fetch-queue backoff stalls loops that read to the end of a partition.
 _FAST_FETCH = {"fetch.queue.backoff.ms": 20, "fetch.wait.max.ms": 50}

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import orjson
 
-from .topology import TopologyError, load_topology
+from processor.topology import TopologyError, load_topology
 
 BOOTSTRAP = click.option("--bootstrap", envvar="KAFKA_BOOTSTRAP", default=None, help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP).")
 TOPOLOGY = click.option("--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False), help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).")
@@ -25,7 +25,7 @@ def _fail(message: str) -> None:
 
 
 def _client(bootstrap: str | None, topology: str | None, group: str | None = None):
-    from .client import Client, ClientError
+    from processor.client.sow_client import Client, ClientError
 
     try:
         return Client(bootstrap, topology, group)
@@ -35,11 +35,11 @@ def _client(bootstrap: str | None, topology: str | None, group: str | None = Non
 
 @contextlib.contextmanager
 def _client_errors():
-    from .client import ClientError
-    from .core.durations import DurationError
+    from processor.client.sow_client import ClientError
+    from processor.core.durations import DurationError
 
     try:
-        from .core.filters import FilterError
+        from processor.core.filters import FilterError
     except ImportError:  # pragma: no cover - the filter module ships with the package
         FilterError = ValueError  # type: ignore[misc,assignment]
     try:
@@ -65,7 +65,7 @@ def main() -> None:
 @click.option("--port", type=int, default=None, help="Port to listen on (default: a free one).")
 def broker(port: int | None) -> None:
     """Run the embedded Kafka broker in the foreground; first line: its bootstrap address."""
-    from .broker.embedded import run_foreground
+    from processor.kafka.embedded import run_foreground
 
     run_foreground(port)
 
@@ -76,7 +76,7 @@ def _bootstrap_or_embedded(bootstrap: str | None):
     if bootstrap:
         yield bootstrap
         return
-    from .broker.embedded import EmbeddedKafka
+    from processor.kafka.embedded import EmbeddedKafka
 
     click.echo("no --bootstrap or KAFKA_BOOTSTRAP: starting the embedded Kafka broker...", err=True)
     with EmbeddedKafka() as kafka:
@@ -85,7 +85,7 @@ def _bootstrap_or_embedded(bootstrap: str | None):
 
 
 def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None, web_host: str | None = None):
-    from .runner.faust_worker import SowWorker
+    from processor.runners.faust.worker import SowWorker
 
     try:
         topo = load_topology(topology)
@@ -152,7 +152,7 @@ def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoin
     except ImportError:
         _fail("the spark engine needs pyspark: pip install 'ksow[spark]'")
     checkpoints = Path(checkpoint_dir or Path.home() / ".cache" / "ksow" / "spark-checkpoints" / group).expanduser()
-    from .runner.spark_stream import StreamError, run_stream, wait_for
+    from processor.runners.spark.stream import StreamError, run_stream, wait_for
 
     def stop(signum, frame):  # SIGTERM stops the queries cleanly, as Ctrl-C does
         raise KeyboardInterrupt
@@ -186,7 +186,7 @@ def _first_line(exc: BaseException) -> str:
 @click.option("--duration", default=60.0, show_default=True, help="Seconds to run (0: until Ctrl-C).")
 def demo(bootstrap, topology, duration) -> None:
     """`up` plus a sample publisher and a live subscriber: SOW, deltas and expiry at work."""
-    from .demo import run_demo
+    from processor.cli.demo import run_demo
 
     with _bootstrap_or_embedded(bootstrap) as address:
         run_demo(address, topology, duration)
@@ -214,7 +214,7 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, grou
             try:
                 key = client.publish(topic, line, delta=delta, expiration=expiration, sow_key=sow_key)
             except Exception as exc:
-                from .client import ClientError
+                from processor.client.sow_client import ClientError
 
                 if isinstance(exc, ClientError) and record in (None, "-"):
                     raise ClientError(f"line {n}: {exc}") from None
@@ -293,7 +293,7 @@ def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_em
 
 
 def _register_spark_commands() -> None:
-    from .spark_cli import register
+    from processor.cli.spark import register
 
     register(main)
 

@@ -12,7 +12,7 @@ import time
 import orjson
 from confluent_kafka import KafkaException, TopicPartition
 
-from ..kafka import end_offsets, ensure_topics, make_consumer, read_until
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until
 
 REGISTRY_TOPIC = "__ksow_workers"
 REFRESH_S = 3.0

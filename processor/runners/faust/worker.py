@@ -29,12 +29,12 @@ from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
-from ..kafka import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
-from ..topology import Topology
-from . import metrics
-from .registry import ensure_registry
-from .topic_processor import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
-from .web import install_web
+from processor.kafka.clients import check_partitions, end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until, topic_configs
+from processor.topology import Topology
+from processor.runners.faust import metrics
+from processor.kafka.registry import ensure_registry
+from processor.engine.topic import EXPIRE_BATCH, InputMessage, ProduceRequest, SowTopicProcessor
+from processor.runners.faust.web import install_web
 
 log = logging.getLogger("ksow.worker")
 

@@ -12,11 +12,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from ..api.types import SowRecord
-from ..core.filters import Filter, compile_filter
-from ..core.paths import MISSING, get_path, project, split_path
-from ..core.rawfilter import raw_prefilter
-from ..state.base import RECORD_HEADER_SIZE, PartitionStore
+from processor.contract.types import SowRecord
+from processor.core.filters import Filter, compile_filter
+from processor.core.paths import MISSING, get_path, project, split_path
+from processor.core.rawfilter import raw_prefilter
+from processor.state.base import RECORD_HEADER_SIZE, PartitionStore
 
 
 @dataclass

@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..api.types import Command, InputError, Op, SowCommand, SowRecord
-from ..core.codec import codec_for
-from ..core.commands import H_ERROR, header_map, parse_command
-from ..core.expiry import is_due
-from ..core.filters import FilterError, compile_filter
-from ..core.keys import owner_partition
-from ..core.sow import Transition, apply_write, removal, render
-from ..runner.topic_processor import SEQ_PARTITION_BITS, InputMessage
-from ..topology import SowTopic, Topology
+from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
+from processor.core.codec import codec_for
+from processor.core.commands import H_ERROR, header_map, parse_command
+from processor.core.expiry import is_due
+from processor.core.filters import FilterError, compile_filter
+from processor.core.keys import owner_partition
+from processor.core.sow import Transition, apply_write, removal, render
+from processor.engine.topic import SEQ_PARTITION_BITS, InputMessage
+from processor.topology import SowTopic, Topology
 
 log = logging.getLogger("ksow.spark")
 
@@ -223,7 +223,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
     """Start the streaming query that maintains one SOW topic; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
-    from ..spark.snapshot import history_columns
+    from processor.batch.snapshot import history_columns
 
     route = F.udf(Router(spec, base), ROUTE_SCHEMA, useArrow=True)
     raw = (
@@ -279,8 +279,8 @@ def run_stream(
     """
     from confluent_kafka.admin import AdminClient
 
-    from ..kafka import ensure_topics, topic_configs
-    from ..spark.session import get_spark
+    from processor.kafka.clients import ensure_topics, topic_configs
+    from processor.batch.session import get_spark
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for spec in topology.sow:

@@ -1,5 +1,5 @@
 """`ksow snapshot`: the SOW of a topic exactly as it stood at an instant, rebuilt by Spark from the
-input topics `<topic>` and `<topic>.delta` (the rules are those of `processor.spark.history`).
+input topics `<topic>` and `<topic>.delta` (the rules are those of `processor.engine.fold`).
 
 How it stays vectorized (no Python function per input record):
 1. `classify`: every input is classified with Spark expressions: headers, command, lifetime,
@@ -27,16 +27,16 @@ from datetime import datetime, timezone
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from ..core.commands import H_COMMAND, H_EXPIRATION, H_FILTER, H_KEY, H_KEYS, KNOWN_INPUT_HEADERS
-from ..core.durations import _DURATION, _UNITS_MS
-from ..core.expiry import ExpirationMode
-from ..core.keys import _BASE64_CHARS, checksum_key
-from ..topology import MessageType, SowTopic
+from processor.core.commands import H_COMMAND, H_EXPIRATION, H_FILTER, H_KEY, H_KEYS, KNOWN_INPUT_HEADERS
+from processor.core.durations import _DURATION, _UNITS_MS
+from processor.core.expiry import ExpirationMode
+from processor.core.keys import _BASE64_CHARS, checksum_key
+from processor.topology import MessageType, SowTopic
 
 if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a JVM
     from pyspark.sql import Column, DataFrame, SparkSession
 
-ORDER = ("ts", "rank", "partition", "offset")  # the history order (see processor.spark.history)
+ORDER = ("ts", "rank", "partition", "offset")  # the history order (see processor.engine.fold)
 
 
 def history_columns(spec: SowTopic) -> list:
@@ -82,7 +82,7 @@ def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
     history (and inputs arriving meanwhile do not half-appear)."""
     from confluent_kafka import KafkaException, TopicPartition
 
-    from ..kafka import make_consumer
+    from processor.kafka.clients import make_consumer
 
     consumer = make_consumer(bootstrap)
     try:
@@ -361,7 +361,7 @@ def _merge_in_python():
 
     import orjson
 
-    from ..core.merge import merge
+    from processor.core.merge import merge
 
     return _series_udf(lambda values: orjson.dumps(functools.reduce(merge, (orjson.loads(v) for v in values))).decode(), "string")
 
@@ -413,7 +413,7 @@ def _filter_udf(text: str):
     """`--filter`: the core's filter language on the resulting records."""
     import orjson
 
-    from ..core.filters import compile_filter
+    from processor.core.filters import compile_filter
 
     predicate = compile_filter(text)  # parse errors surface here, before any job runs
     return _series_udf(lambda r: predicate.matches(orjson.loads(r)), "boolean")
@@ -424,8 +424,8 @@ def _fold_groups(spec: SowTopic, events: DataFrame, specials: list, as_of: int) 
     inputs plus every delete by filter or SowKeys, through `history.SowFold` (per group, pandas)."""
     import pandas as pd
 
-    from ..runner.topic_processor import InputMessage
-    from .history import SowFold, topic_rank
+    from processor.engine.topic import InputMessage
+    from processor.engine.fold import SowFold, topic_rank
 
     def message(row) -> InputMessage:
         headers = [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]] if row["headers"] is not None else None
@@ -451,7 +451,7 @@ def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: in
     before any JSON is parsed, so this pass costs about one read of the topics."""
     from pyspark.sql import functions as F
 
-    from ..core.filters import FilterError, compile_filter
+    from processor.core.filters import FilterError, compile_filter
 
     rows = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
         *ORDER, "kind", "filter", "sow_keys", "topic", "value", "headers"

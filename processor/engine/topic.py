@@ -15,15 +15,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..api.types import Command, InputError, Op, SowCommand, SowRecord
-from ..core.codec import Codec, codec_for
-from ..core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
-from ..core.expiry import is_due
-from ..core.keys import owner_partition as _owner_partition
-from ..core.sow import Transition, apply_write, removal, render
-from ..state.base import IndexSpec, PartitionStore, open_partition_store
-from ..topology import CapacityPolicy, Persistence, SowTopic, View
-from .views import ViewProcessor
+from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
+from processor.core.codec import Codec, codec_for
+from processor.core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
+from processor.core.expiry import is_due
+from processor.core.keys import owner_partition as _owner_partition
+from processor.core.sow import Transition, apply_write, removal, render
+from processor.state.base import IndexSpec, PartitionStore, open_partition_store
+from processor.topology import CapacityPolicy, Persistence, SowTopic, View
+from processor.engine.views import ViewProcessor
 
 log = logging.getLogger("ksow.processor")
 
@@ -266,7 +266,7 @@ class SowTopicProcessor:
 
     def matching(self, p: int, filter_text: str) -> Iterator[str]:
         """SowKeys of partition p's records that match a filter, writes of the batch in flight included."""
-        from ..core.filters import compile_filter
+        from processor.core.filters import compile_filter
 
         predicate = compile_filter(filter_text)
         for key, record in self.open(p).current_records():

@@ -1,0 +1,5 @@
+"""The `ksow` command line."""
+
+from processor.cli.commands import main
+
+__all__ = ["main"]

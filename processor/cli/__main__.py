@@ -1,0 +1,3 @@
+from processor.cli.commands import main
+
+main()

@@ -1,0 +1,2 @@
+"""Kafka plumbing: client configuration, topics, reading to the end, the worker registry and the
+embedded broker."""

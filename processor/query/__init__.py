@@ -1,0 +1,1 @@
+"""SOW queries over partition stores: hash-index lookups or filtered scans."""

@@ -1,0 +1,1 @@
+"""Thin runners: they own the Kafka side and the lifecycle; the engine owns the semantics."""

@@ -1,0 +1,1 @@
+"""The Faust application: worker lifecycle, the transactional input loop, HTTP queries, metrics."""
