@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from processor.core.commands import H_COMMAND, H_EXPIRATION, H_FILTER, H_KEY, H_KEYS, KNOWN_INPUT_HEADERS
+from processor.contract import headers as H
 from processor.core.durations import _DURATION, _UNITS_MS
 from processor.core.expiry import ExpirationMode
 from processor.core.keys import _BASE64_CHARS, checksum_key
@@ -205,16 +205,16 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
     if as_of is not None:
         df = df.where(F.col("ts") <= as_of)
 
-    known = ", ".join(f"'{h}'" for h in sorted(KNOWN_INPUT_HEADERS))
+    known = ", ".join(f"'{h}'" for h in sorted(H.KNOWN_INPUT))
     df = df.select(
         "*",
         F.col("value").cast("string").alias("text"),
         ((F.size("headers") > 0) & F.expr(f"exists(headers, h -> h.key IN ({known}) AND (h.value IS NULL OR NOT is_valid_utf8(cast(h.value AS string))))")).alias("bad_header"),
-        _header(H_COMMAND).alias("cmd_raw"),
-        _header(H_EXPIRATION).alias("exp_raw"),
-        _header(H_KEY).alias("key_raw"),
-        _header(H_FILTER).alias("filter_raw"),
-        _header(H_KEYS).alias("keys_raw"),
+        _header(H.COMMAND).alias("cmd_raw"),
+        _header(H.EXPIRATION).alias("exp_raw"),
+        _header(H.KEY).alias("key_raw"),
+        _header(H.FILTER).alias("filter_raw"),
+        _header(H.KEYS).alias("keys_raw"),
     )
     col = F.col
     if specials_only:  # deletes by filter / SowKeys carry a sow-command and one of these headers

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from processor.core.commands import H_EXPIRES_AT
+from processor.contract import headers as H
 from processor.topology import MessageType, SowTopic, Topology
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def current_sow(spark: SparkSession, bootstrap: str, spec: SowTopic) -> DataFram
         .load()
         .where(F.col("key").isNotNull())
     )
-    expires = F.expr(f"try_element_at(filter(headers, h -> h.key = '{H_EXPIRES_AT}'), -1).value").cast("string").cast("long")
+    expires = F.expr(f"try_element_at(filter(headers, h -> h.key = '{H.EXPIRES_AT}'), -1).value").cast("string").cast("long")
     latest = raw.groupBy("key").agg(F.max_by(F.struct(F.col("value").cast("string").alias("json"), expires.alias("expires_at")), F.struct("offset", "partition")).alias("last"))
     current = latest.where(F.col("last.json").isNotNull()).select(
         F.col("key").cast("string").alias("_sow_key"), F.col("last.expires_at").alias("_expires_at"), F.col("last.json").alias("json")

@@ -20,7 +20,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract.types import InputError, Op, SowRecord
-from processor.core import commands as h
+from processor.contract import headers as H
 from processor.core.codec import Codec, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.keys import KeyError_
@@ -121,9 +121,9 @@ class Client:
                 parse_duration_ms(expiration)
             except ValueError as exc:
                 raise ClientError(str(exc)) from None
-            headers.append((h.H_EXPIRATION, str(expiration).encode()))
+            headers.append((H.EXPIRATION, str(expiration).encode()))
         if sow_key:
-            headers.append((h.H_KEY, sow_key.encode()))
+            headers.append((H.KEY, sow_key.encode()))
         try:
             key = spec.key_spec.sow_key(data, sow_key)
         except KeyError_ as exc:
@@ -140,16 +140,16 @@ class Client:
         matched when the delete was sent and whose delete events then appeared on `<topic>.sow`.
         """
         spec = self.spec(topic)
-        headers = [(h.H_COMMAND, b"sow_delete")]
+        headers = [(H.COMMAND, b"sow_delete")]
         value = None
         key = None
         if filter is not None:
             from processor.core.filters import compile_filter
 
             compile_filter(filter)  # raises FilterError pointing at the position
-            headers.append((h.H_FILTER, filter.encode()))
+            headers.append((H.FILTER, filter.encode()))
         elif keys:
-            headers.append((h.H_KEYS, ",".join(keys).encode()))
+            headers.append((H.KEYS, ",".join(keys).encode()))
         elif data is not None:
             value, record = self._encode(spec, data)
             try:
@@ -173,7 +173,7 @@ class Client:
             deadline = time.monotonic() + wait
             while deleted < targets and time.monotonic() < deadline:
                 for msg in consumer.consume(500, 0.2):
-                    if msg.error() is None and msg.value() is None and _header(msg.headers(), h.H_OP) == "delete":
+                    if msg.error() is None and msg.value() is None and _header(msg.headers(), H.OP) == "delete":
                         k = msg.key().decode()
                         if k in targets:
                             deleted.add(k)
@@ -415,9 +415,9 @@ def _decode_change(codec: Codec, state: dict, msg) -> tuple:
     """(op, key, seq, record before, record after, expires_at) of one `.sow` message; updates `state`."""
     key = msg.key().decode()
     hs = msg.headers()
-    op = Op(_header(hs, h.H_OP) or ("delete" if msg.value() is None else "update"))
-    seq = _int_header(hs, h.H_SEQ)
-    expires = _int_header(hs, h.H_EXPIRES_AT)
+    op = Op(_header(hs, H.OP) or ("delete" if msg.value() is None else "update"))
+    seq = _int_header(hs, H.SEQ)
+    expires = _int_header(hs, H.EXPIRES_AT)
     before = state.get(key)
     if msg.value() is None:
         state.pop(key, None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from processor.contract.errors import InputError
+
 
 class Command(str, Enum):
     """`sow-command` values."""
@@ -27,10 +29,6 @@ class Op(str, Enum):
     @property
     def removes(self) -> bool:
         return self in (Op.DELETE, Op.EXPIRE, Op.EVICT)
-
-
-class InputError(ValueError):
-    """An input that cannot be applied; its message is the `sow-error` reason on `<topic>.errors`."""
 
 
 @dataclass(slots=True)

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from processor.contract import headers as H
 from processor.contract.types import Command, InputError, SowCommand
 from processor.core.codec import Codec
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.filters import FilterError, compile_filter
 from processor.core.keys import KeyError_, KeySpec, validate_user_key
 
-H_COMMAND = "sow-command"
-H_EXPIRATION = "sow-expiration"
-H_KEY = "sow-key"
-H_FILTER = "sow-filter"
-H_KEYS = "sow-keys"
-H_OP = "sow-op"
-H_SEQ = "sow-seq"
-H_EXPIRES_AT = "sow-expires-at"
-H_ACTUAL_EXPIRY = "sow-actual-expiry"
-H_ERROR = "sow-error"
-KNOWN_INPUT_HEADERS = frozenset({H_COMMAND, H_EXPIRATION, H_KEY, H_FILTER, H_KEYS})
 
 
 def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dict[str, str]:
@@ -30,7 +20,7 @@ def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dic
     items = headers.items() if isinstance(headers, dict) else headers
     out: dict[str, str] = {}
     for name, raw in items:
-        if name not in KNOWN_INPUT_HEADERS:
+        if name not in H.KNOWN_INPUT:
             continue
         if raw is None:
             raise InputError(f"header {name} has no value")
@@ -49,7 +39,7 @@ def parse_command(
     headers: dict[str, str],
 ) -> SowCommand:
     """Everything an input message asks for, validated; raises InputError with the reason."""
-    raw_command = headers.get(H_COMMAND)
+    raw_command = headers.get(H.COMMAND)
     if raw_command is None:
         command = default_command
     else:
@@ -59,13 +49,13 @@ def parse_command(
             raise InputError(f"unknown sow-command {raw_command!r} (publish, delta_publish or sow_delete)") from None
 
     expiration_ms = None
-    if H_EXPIRATION in headers:
+    if H.EXPIRATION in headers:
         try:
-            expiration_ms = parse_duration_ms(headers[H_EXPIRATION])
+            expiration_ms = parse_duration_ms(headers[H.EXPIRATION])
         except DurationError as exc:
             raise InputError(f"bad sow-expiration header: {exc}") from None
 
-    header_key = headers.get(H_KEY)
+    header_key = headers.get(H.KEY)
     try:
         if command is Command.SOW_DELETE:
             return _parse_delete(keys, codec, value, headers, header_key)
@@ -80,8 +70,8 @@ def parse_command(
 
 
 def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dict[str, str], header_key: str | None) -> SowCommand:
-    if H_FILTER in headers:
-        text = headers[H_FILTER].strip()
+    if H.FILTER in headers:
+        text = headers[H.FILTER].strip()
         if not text:
             raise InputError("empty sow-filter on sow_delete")
         try:
@@ -89,8 +79,8 @@ def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dic
         except FilterError as exc:
             raise InputError(f"bad sow-filter: {exc}") from None
         return SowCommand(Command.SOW_DELETE, filter=text)
-    if H_KEYS in headers:
-        listed = tuple(k.strip() for k in headers[H_KEYS].split(",") if k.strip())
+    if H.KEYS in headers:
+        listed = tuple(k.strip() for k in headers[H.KEYS].split(",") if k.strip())
         if not listed:
             raise InputError("empty sow-keys on sow_delete")
         return SowCommand(Command.SOW_DELETE, keys=tuple(validate_user_key(k) for k in listed))

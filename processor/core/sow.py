@@ -13,7 +13,7 @@ import orjson
 
 from processor.contract.types import Command, Op, OutputEvent, SowCommand, SowRecord
 from processor.core.codec import Codec
-from processor.core.commands import H_ACTUAL_EXPIRY, H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
+from processor.contract import headers as H
 from processor.core.expiry import ExpiryPolicy
 from processor.core.merge import diff, merge
 
@@ -59,11 +59,11 @@ _OP_BYTES = {op: op.value.encode() for op in Op}
 
 
 def _headers(t: Transition, key: bytes, record: SowRecord | None) -> list[tuple[str, bytes]]:
-    headers = [(H_KEY, key), (H_OP, _OP_BYTES[t.op]), (H_SEQ, b"%d" % t.seq)]
+    headers = [(H.KEY, key), (H.OP, _OP_BYTES[t.op]), (H.SEQ, b"%d" % t.seq)]
     if record is not None and record.expires_at is not None:
-        headers.append((H_EXPIRES_AT, b"%d" % record.expires_at))
+        headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
     if t.op is Op.EXPIRE:
-        headers.append((H_ACTUAL_EXPIRY, b"%d" % t.at_ms))
+        headers.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
     return headers
 
 

@@ -17,7 +17,8 @@ from typing import Iterable, Iterator
 
 from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
 from processor.core.codec import Codec, codec_for
-from processor.core.commands import H_ERROR, H_EXPIRES_AT, H_FILTER, H_KEYS, H_SEQ, header_map, parse_command
+from processor.contract import headers as H
+from processor.core.commands import header_map, parse_command
 from processor.core.expiry import is_due
 from processor.core.keys import owner_partition as _owner_partition
 from processor.core.sow import Transition, apply_write, removal, render
@@ -27,8 +28,6 @@ from processor.engine.views import ViewProcessor
 
 log = logging.getLogger("ksow.processor")
 
-H_ORIGIN = "ksow-origin"  # internal: the command a rerouted message defaulted to on its first topic
-H_LOCAL = "ksow-local"  # internal: a fanned-out delete applies to this partition only
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
 EXPIRE_BATCH = 2000  # records removed per partition per tick, so a backlog never stalls ingestion
 
@@ -116,13 +115,13 @@ class SowTopicProcessor:
             return
         store = self.open(p)
         hmap = dict(headers or ())
-        seq = int(hmap[H_SEQ]) if H_SEQ in hmap else 0
+        seq = int(hmap[H.SEQ]) if H.SEQ in hmap else 0
         if seq:
             store.set_meta("counter", max(store.meta("counter"), seq >> SEQ_PARTITION_BITS))
         if value is None:
             store.stage(key.decode(), None)
             return
-        expires = int(hmap[H_EXPIRES_AT]) if H_EXPIRES_AT in hmap else None
+        expires = int(hmap[H.EXPIRES_AT]) if H.EXPIRES_AT in hmap else None
         store.stage(key.decode(), SowRecord(self.codec.decode(value), seq, expires, timestamp))
 
     def commit(self, p: int, changelog_next: int | None = None) -> None:
@@ -165,11 +164,11 @@ class SowTopicProcessor:
         headers = header_map(msg.headers)
         default = self._defaults.get(msg.topic)
         if default is None:  # the repartition topic: the first topic's default travels in a header
-            origin = dict(msg.headers or ()).get(H_ORIGIN, b"publish")
+            origin = dict(msg.headers or ()).get(H.ORIGIN, b"publish")
             try:
                 default = Command(origin.decode(errors="replace"))
             except ValueError:
-                raise InputError(f"bad {H_ORIGIN} header {origin!r} on {msg.topic}") from None
+                raise InputError(f"bad {H.ORIGIN} header {origin!r} on {msg.topic}") from None
         cmd = parse_command(self.spec.key_spec, self.codec, default, msg.value, headers)
         n = self.spec.partitions
         if cmd.sow_key is not None:
@@ -179,7 +178,7 @@ class SowTopicProcessor:
                 return
         elif cmd.keys and not self._is_local(msg):
             for key in cmd.keys:  # each key is deleted by the partition that owns it
-                extra = [(H_KEYS, key.encode())]
+                extra = [(H.KEYS, key.encode())]
                 out.append(self._reroute(msg, default, owner_partition(key, n), key.encode(), extra))
             return
         elif cmd.filter is not None and not self._is_local(msg):
@@ -194,20 +193,20 @@ class SowTopicProcessor:
 
     @staticmethod
     def _is_local(msg: InputMessage) -> bool:
-        return any(name == H_LOCAL for name, _ in msg.headers or ())
+        return any(name == H.LOCAL for name, _ in msg.headers or ())
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: list | None = None) -> ProduceRequest:
-        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL) and not (extra and k == H_KEYS)]
-        headers += [(H_ORIGIN, default.value.encode()), (H_LOCAL, b"1")] + (extra or [])
+        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H.ORIGIN, H.LOCAL) and not (extra and k == H.KEYS)]
+        headers += [(H.ORIGIN, default.value.encode()), (H.LOCAL, b"1")] + (extra or [])
         return ProduceRequest(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)
 
     def _error(self, msg: InputMessage, reason: str) -> ProduceRequest:
-        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H_ORIGIN, H_LOCAL)]
+        headers = [(k, v) for k, v in (msg.headers or ()) if k not in (H.ORIGIN, H.LOCAL)]
         headers += [
-            (H_ERROR, reason.encode()),
-            ("sow-error-topic", msg.topic.encode()),
-            ("sow-error-partition", str(msg.partition).encode()),
-            ("sow-error-offset", str(msg.offset).encode()),
+            (H.ERROR, reason.encode()),
+            (H.ERROR_TOPIC, msg.topic.encode()),
+            (H.ERROR_PARTITION, str(msg.partition).encode()),
+            (H.ERROR_OFFSET, str(msg.offset).encode()),
         ]
         return ProduceRequest(self.spec.errors_topic, None, msg.key, msg.value, headers)
 

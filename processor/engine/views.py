@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 import orjson
 
 from processor.contract.types import Op
-from processor.core.commands import H_EXPIRES_AT, H_KEY, H_OP, H_SEQ
+from processor.contract import headers as H
 from processor.core.durations import parse_duration_ms
 from processor.core.filters import compile_filter
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.core.sow import Transition
 from processor.topology import SowTopic, View
 
-H_OOF_REASON = "sow-oof-reason"
 
 
 @dataclass
@@ -70,20 +69,20 @@ class ViewProcessor:
         key = t.key.encode()
         out = []
         was, now_in = self.sub.matches(before), self.sub.matches(after)
-        base = [(H_KEY, key), (H_SEQ, str(t.seq).encode())]
+        base = [(H.KEY, key), (H.SEQ, str(t.seq).encode())]
         if expires is not None:
-            base.append((H_EXPIRES_AT, str(expires).encode()))
+            base.append((H.EXPIRES_AT, str(expires).encode()))
         if now_in:
-            out.append((self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H_OP, t.op.value.encode())]))
+            out.append((self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, t.op.value.encode())]))
         elif was:
             op = t.op if t.op.removes else Op.OOF
-            out.append((self.sow_topic, p, key, None, base + [(H_OP, op.value.encode())]))
+            out.append((self.sow_topic, p, key, None, base + [(H.OP, op.value.encode())]))
         event = self.sub.change(t.op, t.key, t.seq, before, after, expires)
         if event is None:
             return out
-        headers = base + [(H_OP, event["op"].encode())]
+        headers = base + [(H.OP, event["op"].encode())]
         if "reason" in event:
-            headers.append((H_OOF_REASON, event["reason"].encode()))
+            headers.append((H.OOF_REASON, event["reason"].encode()))
         if self.conflation_ms:
             self._hold(p, t.key, event, headers, now)
         else:
@@ -101,7 +100,7 @@ class ViewProcessor:
             merged = dict(event, record=conflate(held.event["record"], event["record"]))
             if held.event["op"] == "insert":
                 merged["op"] = "insert"
-                headers = [(k, v) for k, v in headers if k != H_OP] + [(H_OP, b"insert")]
+                headers = [(k, v) for k, v in headers if k != H.OP] + [(H.OP, b"insert")]
             held.event, held.headers = merged, headers
         else:
             held.event, held.headers = event, headers

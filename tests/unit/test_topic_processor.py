@@ -4,7 +4,8 @@ import orjson
 import pytest
 
 from processor.core.keys import owner_partition
-from processor.engine.topic import H_LOCAL, InputMessage, SowTopicProcessor
+from processor.contract import headers as H
+from processor.engine.topic import InputMessage, SowTopicProcessor
 from processor.topology import parse_topology
 
 N = 4
@@ -177,7 +178,7 @@ def test_fanned_out_filter_delete_needs_filters(proc):
     pytest.importorskip("processor.core.filters")
     run(proc, [msg(proc, {"id": i, "s": "open" if i % 2 else "done"}) for i in range(8)])
     out = run(proc, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 1)])
-    assert sorted(r.partition for r in out) == list(range(N)) and all(hdr(r, H_LOCAL) == b"1" for r in out)
+    assert sorted(r.partition for r in out) == list(range(N)) and all(hdr(r, H.LOCAL) == b"1" for r in out)
     local = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in out]
     out = by_topic(run(proc, local))
     assert len(out["orders.sow"]) == 4
@@ -236,7 +237,7 @@ def test_delete_by_filter_sees_records_of_the_same_batch():
     proc = SowTopicProcessor(spec, None)
     key = spec.key_spec.sow_key({"id": 7})
     publish = InputMessage("orders", 0, 0, key.encode(), orjson.dumps({"id": 7, "desk": "fx"}), [], 1_000)
-    delete = InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H_LOCAL, b"1")], 1_001)
+    delete = InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H.LOCAL, b"1")], 1_001)
     out = proc.handle([publish, delete], now=2_000)
     assert [dict(r.headers)["sow-op"] for r in out if r.topic == "orders.sow"] == [b"insert", b"delete"]
     proc.commit(0)

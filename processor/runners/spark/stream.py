@@ -33,7 +33,8 @@ from typing import Any, Iterator
 
 from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
 from processor.core.codec import codec_for
-from processor.core.commands import H_ERROR, header_map, parse_command
+from processor.contract import headers as H
+from processor.core.commands import header_map, parse_command
 from processor.core.expiry import is_due
 from processor.core.filters import FilterError, compile_filter
 from processor.core.keys import owner_partition
@@ -191,10 +192,10 @@ def make_processor(spec: SowTopic, base: Path | None = None):
         def _error(self, row) -> Any:
             headers = [Row(key=k, value=v) for k, v in _headers(row["headers"])]
             headers += [
-                Row(key=H_ERROR, value=row["reason"].encode()),
-                Row(key="sow-error-topic", value=row["topic"].encode()),
-                Row(key="sow-error-partition", value=str(row["partition"]).encode()),
-                Row(key="sow-error-offset", value=str(row["offset"]).encode()),
+                Row(key=H.ERROR, value=row["reason"].encode()),
+                Row(key=H.ERROR_TOPIC, value=row["topic"].encode()),
+                Row(key=H.ERROR_PARTITION, value=str(row["partition"]).encode()),
+                Row(key=H.ERROR_OFFSET, value=str(row["offset"]).encode()),
             ]
             return Row(topic=spec.errors_topic, key=row["kafka_key"], value=row["value"], headers=headers)
 

@@ -1,0 +1,27 @@
+"""Every Kafka header name ksow reads or writes, in one place (see the contract's "Headers")."""
+
+# Input headers (all optional).
+COMMAND = "sow-command"  # publish | delta_publish | sow_delete
+EXPIRATION = "sow-expiration"  # this record's lifetime; 0 = never
+KEY = "sow-key"  # publisher-supplied SowKey (input) / the SowKey (output)
+FILTER = "sow-filter"  # sow_delete by filter
+KEYS = "sow-keys"  # sow_delete by SowKeys, comma-separated
+KNOWN_INPUT = frozenset({COMMAND, EXPIRATION, KEY, FILTER, KEYS})
+
+# Output headers on .sow, .diff, EXP.*, .dead and views.
+OP = "sow-op"  # insert | update | delete | expire | evict | oof
+SEQ = "sow-seq"  # event ID
+EXPIRES_AT = "sow-expires-at"  # epoch ms (absent: never)
+ACTUAL_EXPIRY = "sow-actual-expiry"  # epoch ms the record was expired
+OOF_REASON = "sow-oof-reason"  # on view oof events
+
+# On `<topic>.errors`.
+ERROR = "sow-error"  # why the input could not be applied
+ERROR_TOPIC = "sow-error-topic"
+ERROR_PARTITION = "sow-error-partition"
+ERROR_OFFSET = "sow-error-offset"
+
+# Internal, on `<topic>.repartition` only.
+ORIGIN = "ksow-origin"  # the command a rerouted input defaulted to on its first topic
+LOCAL = "ksow-local"  # a fanned-out delete applies to this partition only
+INTERNAL = frozenset({ORIGIN, LOCAL})
