@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from processor.contract.errors import ConfigError
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.expiry import ExpirationMode, ExpiryPolicy
 from processor.core.keys import KeySpec
@@ -22,7 +23,7 @@ from processor.core.paths import PathError, split_path
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "default.yaml"
 
 
-class TopologyError(ValueError):
+class TopologyError(ConfigError):
     """A topology that cannot be used; the message names the topic and the field."""
 
 
@@ -154,6 +155,11 @@ class SowTopic(BaseModel):
     def repartition_topic(self) -> str:
         """Internal: inputs whose Kafka key did not route them to their SowKey's partition."""
         return f"{self.topic}.repartition"
+
+    @property
+    def holds_topic(self) -> str:
+        """Internal: conflated view events held until their interval ends (a compacted changelog)."""
+        return f"{self.topic}.holds"
 
     @property
     def expired_topic(self) -> str | None:

@@ -84,7 +84,9 @@ def _bootstrap_or_embedded(bootstrap: str | None):
         yield kafka.bootstrap
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None, web_host: str | None = None):
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None, web_host: str | None = None,
+            guarantee: str | None = None):
+    from processor.runners.faust.loop import Guarantee, LoopSettings
     from processor.runners.faust.worker import SowWorker
 
     try:
@@ -92,7 +94,9 @@ def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | No
     except TopologyError as exc:
         _fail(str(exc))
     topology_dir = Path(topology).resolve().parent.parent if topology else None
-    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir, web_host=web_host)
+    settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None)
+    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir,
+                     web_host=web_host, settings=settings)
 
 
 WORKER_OPTIONS = [
@@ -100,6 +104,9 @@ WORKER_OPTIONS = [
     click.option("--data-dir", envvar="KSOW_DATA_DIR", default=None, help="Folder for this worker's RocksDB stores."),
     click.option("--web-port", type=int, default=None, help="Port of this worker's HTTP endpoint (default: a free one)."),
     click.option("--web-host", envvar="KSOW_WEB_HOST", default=None, help="Host name clients use to reach this worker (default 127.0.0.1)."),
+    click.option("--processing-guarantee", "guarantee", envvar="KSOW_PROCESSING_GUARANTEE", type=click.Choice(["exactly_once", "at_least_once"]),
+                 default="exactly_once", show_default=True,
+                 help="exactly_once: outputs and input offsets commit in one Kafka transaction; at_least_once: no transactions."),
 ]
 
 
@@ -120,7 +127,7 @@ def _worker_options(fn):
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
 @click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
 @click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
-def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+def up(bootstrap, topology, group, data_dir, web_port, web_host, guarantee, loglevel, engine, checkpoint_dir, master, trigger) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
 
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
@@ -131,8 +138,8 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel, engin
         return
     load_topology(topology) if topology else None
     with _bootstrap_or_embedded(bootstrap) as address:
-        worker = _worker(address, topology, group, data_dir, web_port, web_host)
-        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.processors)}, bootstrap {address}", err=True)
+        worker = _worker(address, topology, group, data_dir, web_port, web_host, guarantee)
+        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
         try:
             worker.run(loglevel)
         except SystemExit:

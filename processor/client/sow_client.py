@@ -112,7 +112,7 @@ class Client:
 
     # publishing ---------------------------------------------------------------------------
     def publish(self, topic: str, record: Any, *, delta: bool = False, expiration: str | int | None = None, sow_key: str | None = None) -> str:
-        """Publish a full record (or with delta=True a partial one). Returns its SowKey."""
+        """Publish a full record (or with delta=True a partial one, a delta publish). Returns its SowKey."""
         spec = self.spec(topic)
         value, data = self._encode(spec, record)
         headers = []
@@ -128,8 +128,12 @@ class Client:
             key = spec.key_spec.sow_key(data, sow_key)
         except KeyError_ as exc:
             raise ClientError(str(exc)) from None
-        target = spec.delta_topic if delta else spec.topic
-        produce(self.producer, target, value, key.encode(), headers=headers)
+        if delta:
+            # Deltas go to `<topic>` with sow-command, not to `<topic>.delta`: in the same partition as
+            # this publisher's full publishes of the record, they are applied in the order sent,
+            # whatever the timestamps (README "Ordering").
+            headers.append((H.COMMAND, b"delta_publish"))
+        produce(self.producer, spec.topic, value, key.encode(), headers=headers)
         self.producer.poll(0)
         return key
 

@@ -54,10 +54,27 @@ class SowCommand:
 
 
 @dataclass(slots=True)
-class OutputEvent:
-    """A message to produce: the topic is resolved by the runner from `stream` (sow, diff, ...)."""
+class InputMessage:
+    """One message of an input topic, whichever engine read it."""
 
-    stream: str  # "sow" | "diff" | "expired" | "dead" | "errors"
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] | None
+    timestamp: int  # the Kafka timestamp, epoch ms
+
+
+@dataclass(slots=True)
+class Output:
+    """One message to produce, the single output shape of every engine (SOW streams, views, errors,
+    rerouted inputs). `changelog` marks `<topic>.sow` records, whose offsets the store remembers."""
+
+    topic: str
+    partition: int | None
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
+    changelog: bool = False
+    timestamp: int = 0  # 0: now; a rerouted input keeps its original timestamp

@@ -1,19 +1,14 @@
-"""What one command does to one record, and the events that tell the world.
+"""What one command does to one record: the transition from the record before to the record after.
 
-Pure: given the record before (or None) and a command, return the transition; render it as
-output events. The Faust worker, the Spark pipeline and the tests all call these functions, so
-the engines cannot disagree on semantics.
+Pure. The partition engine (processor.engine.partition) is the only caller that applies these to
+state, and processor.engine.outputs renders transitions as messages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import orjson
-
-from processor.contract.types import Command, Op, OutputEvent, SowCommand, SowRecord
-from processor.core.codec import Codec
-from processor.contract import headers as H
+from processor.contract.types import Command, Op, SowCommand, SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.merge import diff, merge
 
@@ -53,35 +48,3 @@ def removal(op: Op, key: str, before: SowRecord, now_ms: int, seq: int) -> Trans
     """A delete, expire or evict of an existing record."""
     assert op.removes
     return Transition(op, key, seq, before, None, None, now_ms)
-
-
-_OP_BYTES = {op: op.value.encode() for op in Op}
-
-
-def _headers(t: Transition, key: bytes, record: SowRecord | None) -> list[tuple[str, bytes]]:
-    headers = [(H.KEY, key), (H.OP, _OP_BYTES[t.op]), (H.SEQ, b"%d" % t.seq)]
-    if record is not None and record.expires_at is not None:
-        headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
-    if t.op is Op.EXPIRE:
-        headers.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
-    return headers
-
-
-def render(t: Transition, codec: Codec, has_expiry_topic: bool = True) -> list[OutputEvent]:
-    """Output events of a transition, by stream: sow, diff, expired, dead (see the contract)."""
-    key = t.key.encode()
-    if t.after is not None:
-        headers = _headers(t, key, t.after)
-        return [
-            OutputEvent("sow", key, codec.encode(t.after.data), headers),
-            OutputEvent("diff", key, orjson.dumps(t.changes), headers),
-        ]
-    assert t.before is not None
-    headers = _headers(t, key, t.before)
-    last = codec.encode(t.before.data)
-    events = [OutputEvent("sow", key, None, headers), OutputEvent("diff", key, last, headers)]
-    if t.op is Op.EXPIRE:
-        events.append(OutputEvent("expired" if has_expiry_topic else "dead", key, last, headers))
-    elif t.op is Op.EVICT:
-        events.append(OutputEvent("dead", key, last, headers))
-    return events

@@ -6,15 +6,20 @@ while it is in focus, a tombstone when it leaves (sow-op oof or the removal). `<
 what a delta subscriber with the view's options would get, including OOF events (sow-op oof, header
 sow-oof-reason). Conflation applies to `<view>.diff`: deltas of a record within the interval are
 merged into one event, sent when the interval ends.
+
+Exactly-once: a held event is also written to the compacted `<topic>.holds` topic in the batch's
+transaction (a tombstone when it is released), and a worker that takes the partition reads the holds
+back, so no conflated event is lost or sent twice across a crash or a rebalance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import orjson
 
-from processor.contract.types import Op
+from processor.contract.types import Op, Output
 from processor.contract import headers as H
 from processor.core.durations import parse_duration_ms
 from processor.core.filters import compile_filter
@@ -33,8 +38,11 @@ class _Pending:
 
 @dataclass
 class ViewProcessor:
+    """One view of a SOW topic: a `ChangeListener` of its partitions."""
+
     view: View
     spec: SowTopic
+    number: int = 0  # the view's index among its topic's views (keys its holds)
     sub: SubscriptionSpec = field(init=False)
     conflation_ms: int = field(init=False)
     pending: dict[int, dict[str, _Pending]] = field(default_factory=dict)
@@ -51,6 +59,7 @@ class ViewProcessor:
             key_paths=self.spec.key_spec.split,
         )
         self.conflation_ms = parse_duration_ms(self.view.conflation) if self.view.conflation else 0
+        self._prefix = f"{self.number}|"
 
     @property
     def sow_topic(self) -> str:
@@ -60,43 +69,39 @@ class ViewProcessor:
     def diff_topic(self) -> str:
         return f"{self.view.name}.diff"
 
-    def on_change(self, p: int, t: Transition, now: int) -> list[tuple[str, int, bytes, bytes | None, list]]:
-        """(topic, partition, key, value, headers) for one transition of the SOW topic."""
+    def on_change(self, p: int, t: Transition, out: list) -> None:
+        """The view's messages for one transition of the SOW topic."""
         before = t.before.data if t.before else None
         after = t.after.data if t.after else None
         record = t.after or t.before
         expires = record.expires_at if record else None
         key = t.key.encode()
-        out = []
         was, now_in = self.sub.matches(before), self.sub.matches(after)
-        base = [(H.KEY, key), (H.SEQ, str(t.seq).encode())]
+        base = [(H.KEY, key), (H.SEQ, b"%d" % t.seq)]
         if expires is not None:
-            base.append((H.EXPIRES_AT, str(expires).encode()))
+            base.append((H.EXPIRES_AT, b"%d" % expires))
         if now_in:
-            out.append((self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, t.op.value.encode())]))
+            out.append(Output(self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, t.op.value.encode())]))
         elif was:
             op = t.op if t.op.removes else Op.OOF
-            out.append((self.sow_topic, p, key, None, base + [(H.OP, op.value.encode())]))
+            out.append(Output(self.sow_topic, p, key, None, base + [(H.OP, op.value.encode())]))
         event = self.sub.change(t.op, t.key, t.seq, before, after, expires)
         if event is None:
-            return out
+            return
         headers = base + [(H.OP, event["op"].encode())]
         if "reason" in event:
             headers.append((H.OOF_REASON, event["reason"].encode()))
         if self.conflation_ms:
-            self._hold(p, t.key, event, headers, now)
+            self._hold(p, t.key, event, headers, t.at_ms, out)
         else:
-            out.append((self.diff_topic, p, key, orjson.dumps(event["record"]), headers))
-        return out
+            out.append(Output(self.diff_topic, p, key, orjson.dumps(event["record"]), headers))
 
-    def _hold(self, p: int, key: str, event: dict, headers: list, now: int) -> None:
+    def _hold(self, p: int, key: str, event: dict, headers: list, now: int, out: list) -> None:
         waiting = self.pending.setdefault(p, {})
         held = waiting.get(key)
         if held is None:
-            waiting[key] = _Pending(now + self.conflation_ms, event, headers)
-            return
-        merges = held.event["op"] in ("insert", "update") and event["op"] in ("insert", "update")
-        if merges:
+            held = waiting[key] = _Pending(now + self.conflation_ms, event, headers)
+        elif held.event["op"] in ("insert", "update") and event["op"] in ("insert", "update"):
             merged = dict(event, record=conflate(held.event["record"], event["record"]))
             if held.event["op"] == "insert":
                 merged["op"] = "insert"
@@ -104,14 +109,36 @@ class ViewProcessor:
             held.event, held.headers = merged, headers
         else:
             held.event, held.headers = event, headers
+        value = orjson.dumps({"due": held.due, "event": held.event, "headers": [(k, v.decode()) for k, v in held.headers]})
+        out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), value, []))
 
-    def due(self, p: int, now: int, everything: bool = False) -> list[tuple[str, int, bytes, bytes | None, list]]:
-        """Conflated events whose interval has ended (all of them when a partition is handed over)."""
+    def due(self, p: int, now: int, out: list, everything: bool = False) -> None:
+        """Release the conflated events whose interval has ended (all of them with `everything`)."""
         waiting = self.pending.get(p)
         if not waiting:
-            return []
-        out = []
+            return
         for key in [k for k, held in waiting.items() if everything or held.due <= now]:
             held = waiting.pop(key)
-            out.append((self.diff_topic, p, key.encode(), orjson.dumps(held.event["record"]), held.headers))
-        return out
+            out.append(Output(self.diff_topic, p, key.encode(), orjson.dumps(held.event["record"]), held.headers))
+            out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), None, []))
+
+    def restore_hold(self, p: int, key: bytes, value: bytes | None) -> None:
+        """Take back one record of `<topic>.holds` (when a partition is assigned)."""
+        text = key.decode()
+        if not text.startswith(self._prefix):
+            return
+        sow_key = text[len(self._prefix):]
+        waiting = self.pending.setdefault(p, {})
+        if value is None:
+            waiting.pop(sow_key, None)
+            return
+        held = orjson.loads(value)
+        waiting[sow_key] = _Pending(held["due"], held["event"], [(k, v.encode()) for k, v in held["headers"]])
+
+    def forget(self, p: int) -> None:
+        """Drop partition p's holds (it was handed over: its new owner reads them back)."""
+        self.pending.pop(p, None)
+
+
+def views_of(spec: SowTopic, views: Iterable[View]) -> list[ViewProcessor]:
+    return [ViewProcessor(view, spec, number) for number, view in enumerate(views)]

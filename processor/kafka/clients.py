@@ -34,6 +34,10 @@ def make_producer(bootstrap: str, **overrides) -> Producer:
     return Producer(config)
 
 
+def make_admin(bootstrap: str, **overrides) -> AdminClient:
+    return AdminClient({"bootstrap.servers": bootstrap, **overrides})
+
+
 def make_consumer(bootstrap: str, group: str | None = None, **overrides) -> Consumer:
     config = {
         "bootstrap.servers": bootstrap,
@@ -68,9 +72,13 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     """Every topic a SOW topic uses: name -> (partitions, configs). All share the partition count."""
     n = spec.partitions
     compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
+    # Inputs the worker creates take the broker's clock (LogAppendTime): a lifetime counts from the
+    # input's arrival, whatever the publisher's clock says, and replays see the same instants. The
+    # repartition topic keeps CreateTime: a rerouted input carries its original arrival time.
+    arrival = {"message.timestamp.type": "LogAppendTime"}
     topics = {
-        spec.topic: (n, {}),
-        spec.delta_topic: (n, {}),
+        spec.topic: (n, arrival),
+        spec.delta_topic: (n, arrival),
         spec.repartition_topic: (n, {}),
         spec.sow_topic: (n, compacted),
         spec.diff_topic: (n, {}),
@@ -79,6 +87,8 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     }
     if spec.expired_topic:
         topics[spec.expired_topic] = (n, {})
+    if any(view.conflation for view in views):
+        topics[spec.holds_topic] = (n, compacted)
     for view in views:
         topics[f"{view.name}.sow"] = (n, compacted)
         topics[f"{view.name}.diff"] = (n, {})

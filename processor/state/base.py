@@ -128,7 +128,7 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
-    def current_records(self) -> Iterator[tuple[str, SowRecord]]:
+    def live_records(self) -> Iterator[tuple[str, SowRecord]]:
         """Every record as the batch in flight sees it: committed ones, overridden by staged writes."""
         staged = self._staged
         for key, record in self.records():
@@ -137,6 +137,41 @@ class PartitionStore:
         for key, record in list(staged.items()):
             if record is not None:
                 yield key, record
+
+    def matching(self, predicate) -> Iterator[str]:
+        """SowKeys of the records the batch in flight sees whose data satisfies a compiled filter.
+
+        When the filter's equality terms cover a hash index, only that index's candidates are read
+        (a delete by filter on an indexed field does not decode the whole partition)."""
+        matches = predicate.matches
+        candidates = self._indexed_candidates(predicate)
+        if candidates is None:
+            for key, record in self.live_records():
+                if matches(record.data):
+                    yield key
+            return
+        staged = self._staged
+        for key in candidates:
+            if key not in staged:
+                record = self._load(key)
+                if record is not None and matches(record.data):
+                    yield key
+        for key, record in list(staged.items()):
+            if record is not None and matches(record.data):
+                yield key
+
+    def _indexed_candidates(self, predicate) -> set[str] | None:
+        """Committed SowKeys an index says may match, or None when no index covers the filter."""
+        terms = predicate.equality_terms()
+        if not terms:
+            return None
+        for no, paths in enumerate(self.indexes.hash_indexes):
+            if all(path in terms for path in paths):
+                found: set[str] = set()
+                for values in itertools.product(*(sorted(terms[path], key=repr) for path in paths)):
+                    found.update(self.lookup(no, values))
+                return found
+        return None
 
     def select(self, predicate, raw_check=None) -> tuple[list[tuple[str, SowRecord]], int]:
         """Committed records whose data satisfies `predicate`, and how many were read: the scan path
@@ -232,6 +267,19 @@ class PartitionStore:
 
     def set_meta(self, name: str, value: int) -> None:
         self._meta[name] = value
+
+    # the engine's PartitionState (processor.engine.partition) ----------------------
+    def put(self, key: str, record: SowRecord) -> None:
+        self.stage(key, record)
+
+    def remove(self, key: str) -> None:
+        self.stage(key, None)
+
+    def counter(self) -> int:
+        return self.meta("counter")
+
+    def set_counter(self, value: int) -> None:
+        self._meta["counter"] = value
 
     @property
     def dirty(self) -> bool:

@@ -10,7 +10,8 @@ import pytest
 from processor.contract.types import InputError
 from processor.core.codec import AvroCodec
 from processor.core.keys import owner_partition
-from processor.engine.topic import InputMessage, SowTopicProcessor
+from processor.contract.types import InputMessage
+from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "orders.avsc"
@@ -32,7 +33,7 @@ def test_codec_round_trip_and_errors():
 
 def test_avro_topic_merges_deltas(tmp_path):
     spec = parse_topology({"sow": [{"topic": "ao", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA), "partitions": 2}]}).topic("ao")
-    proc = SowTopicProcessor(spec, tmp_path)
+    proc = LocalTopic(spec, tmp_path)
     full = {"order_id": 7, "customer": "ann", "status": "open", "qty": 5, "px": 1.5}
     p = owner_partition(spec.key_spec.sow_key(full), 2)
     proc.handle([InputMessage("ao", p, 0, None, encode(full), [], 1)], now=1)

@@ -11,7 +11,8 @@ import orjson
 
 from processor.contract.types import Op
 from processor.core.keys import owner_partition
-from processor.engine.topic import InputMessage, SowTopicProcessor
+from processor.contract.types import InputMessage
+from processor.testing import LocalTopic
 from processor.engine.fold import SowFold
 from processor.topology import parse_topology
 
@@ -39,7 +40,7 @@ def test_the_fold_expires_a_due_record_before_a_delete():
 
 def test_faust_processor_expires_a_due_record_before_a_delete():
     spec = _spec()
-    proc = SowTopicProcessor(spec, None)
+    proc = LocalTopic(spec, None)
     out = proc.handle(_messages(spec), now=5_000)  # one batch, long after the record's instant
     ops = [dict(r.headers)["sow-op"] for r in out if r.topic == "orders.sow"]
     assert ops == [b"insert", b"expire"]

@@ -5,7 +5,8 @@ import pytest
 
 from processor.core.keys import owner_partition
 from processor.contract import headers as H
-from processor.engine.topic import InputMessage, SowTopicProcessor
+from processor.contract.types import InputMessage
+from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
 N = 4
@@ -13,7 +14,7 @@ N = 4
 
 def make(tmp_path, **extra):
     spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": N, **extra}]}).topic("orders")
-    return SowTopicProcessor(spec, tmp_path)
+    return LocalTopic(spec, tmp_path)
 
 
 def key_of(proc, record):
@@ -56,7 +57,7 @@ def test_publish_delta_delete_flow(proc):
     (sow,), (diff,) = out["orders.sow"], out["orders.diff"]
     assert orjson.loads(sow.value) == first and orjson.loads(diff.value) == first
     assert hdr(sow, "sow-op") == b"insert" and hdr(sow, "sow-key") == key_of(proc, first).encode()
-    assert sow.partition == owner_partition(key_of(proc, first), N) and sow.changelog == sow.partition
+    assert sow.partition == owner_partition(key_of(proc, first), N) and sow.changelog
 
     out = by_topic(run(proc, [msg(proc, {"id": 1, "qty": 20, "m": {"b": 2}}, topic="orders.delta")]))
     assert orjson.loads(out["orders.sow"][0].value) == {"id": 1, "status": "open", "qty": 20, "m": {"a": 1, "b": 2}}
@@ -166,9 +167,9 @@ def test_event_ids_increase_and_survive_restore(tmp_path):
     # A fresh worker restores the partition from the changelog records and continues above them.
     other = make(tmp_path / "other")
     for r in outs:
-        if r.changelog is not None:
+        if r.changelog:
             other.restore(p, r.key, r.value, r.headers, 1_000)
-    other.commit(p, 3)
+    other.commit(p)
     assert other.stores[p].get(key_of(other, {"id": 1})).data == {"id": 1, "v": 2}
     again = run(other, [msg(other, {"id": 1, "v": 9})], now=0)
     assert int(hdr(again[0], "sow-seq")) > max(seqs)
@@ -198,43 +199,47 @@ def test_unexpected_failures_park_the_message(proc, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(proc, "_write", boom)
+    from processor.engine.partition import SowPartition
+
+    monkeypatch.setattr(SowPartition, "write", boom)
     out = run(proc, [msg(proc, {"id": 1})])
     assert [r.topic for r in out] == ["orders.errors"] and b"internal error: RuntimeError: disk on fire" in hdr(out[0], "sow-error")
 
 
 class _Delivered:
-    def __init__(self, offset):
-        self._offset = offset
+    def __init__(self, topic, partition, offset):
+        self._tp, self._offset = (topic, partition), offset
+
+    def topic(self):
+        return self._tp[0]
+
+    def partition(self):
+        return self._tp[1]
 
     def offset(self):
         return self._offset
 
 
-def test_delivery_report_positions_and_failures():
-    """Changelog positions are one past the highest delivered `.sow` offset per partition; any failed
-    message, changelog or not, fails the whole batch; the batch waits for its own messages only."""
-    from confluent_kafka import KafkaError, KafkaException
+def test_changelog_positions_from_delivery_reports():
+    """A store's changelog position is one past the highest delivered `.sow` offset of its partition;
+    a failed delivery is kept, so the batch fails."""
+    from confluent_kafka import KafkaError
 
-    from processor.runners.faust.worker import DeliveryReport
+    from processor.runners.faust.loop import _Positions
 
-    report = DeliveryReport()
-    callbacks = [(report.callback(p), offset) for p, offset in ((0, 6), (0, 5), (2, 9), (None, 100))]
-    assert report.outstanding == 4
-    for callback, offset in callbacks:
-        callback(None, _Delivered(offset))
-    assert report.outstanding == 0
-    assert report.positions() == {0: 7, 2: 10}
-    report.callback(None)(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered(101))
-    with pytest.raises(KafkaException):
-        report.positions()
+    positions = _Positions()
+    for p, offset in ((0, 6), (0, 5), (2, 9)):
+        positions(None, _Delivered("orders.sow", p, offset))
+    assert positions.next == {("orders.sow", 0): 7, ("orders.sow", 2): 10} and not positions.failed
+    positions(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered("orders.sow", 0, 11))
+    assert positions.failed and positions.next[("orders.sow", 0)] == 7
 
 
 def test_delete_by_filter_sees_records_of_the_same_batch():
     """A publish and a fanned-out delete by filter (back from `.repartition`) in one batch: the
     delete removes the new record too."""
     spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory"}]}).topic("orders")
-    proc = SowTopicProcessor(spec, None)
+    proc = LocalTopic(spec, None)
     key = spec.key_spec.sow_key({"id": 7})
     publish = InputMessage("orders", 0, 0, key.encode(), orjson.dumps({"id": 7, "desk": "fx"}), [], 1_000)
     delete = InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H.LOCAL, b"1")], 1_001)

@@ -5,12 +5,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry()
-INPUTS = Counter("ksow_inputs", "Input messages handled", ["topic"], registry=REGISTRY)
-OUTPUTS = Counter("ksow_outputs", "Messages produced, by output topic", ["topic"], registry=REGISTRY)
+INPUTS = Counter("ksow_inputs", "Input messages applied", registry=REGISTRY)
+OUTPUTS = Counter("ksow_outputs", "Messages produced", registry=REGISTRY)
 BATCH_SECONDS = Histogram(
-    "ksow_batch_seconds", "Time to apply a batch and deliver its outputs", ["topic"], registry=REGISTRY,
+    "ksow_commit_seconds", "Time to produce a batch's outputs and commit its transaction", registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+ENFORCED = Counter("ksow_enforced_order", "Batches applied without waiting longer for an input that was behind (max idle reached)", registry=REGISTRY)
+ABORTED = Counter("ksow_aborted_batches", "Batches whose transaction was aborted (fenced, rebalanced, broker error)", registry=REGISTRY)
+RESEEDS = Counter("ksow_changelog_reseeds", "Partitions whose store re-seeded a deleted or truncated .sow changelog", registry=REGISTRY)
+CHANGELOG_SKIPPED = Counter("ksow_changelog_skipped", "Records of .sow that were not SOW records, skipped on restore", registry=REGISTRY)
 RECORDS = Gauge("ksow_sow_records", "Records in the SOW partitions this worker serves", ["topic"], registry=REGISTRY)
 
 

@@ -1,51 +1,63 @@
-"""The worker's HTTP side: SOW queries for the partitions it serves, and its registry entry."""
+"""The worker's HTTP side: SOW queries for the partitions it serves, metrics, and its registry entry.
+
+It sees the worker only through `WorkerView` (read-only): topics, the partitions served, their stores.
+Queries run in a thread, never on the event loop that serves HTTP.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import orjson
 
+from processor.contract.errors import KsowError
 from processor.core.filters import FilterError
-from processor.runners.faust import metrics
+from processor.kafka.registry import REFRESH_S, announcement
 from processor.query.engine import SowQuery, run_query
-from processor.kafka.registry import REFRESH_S, REGISTRY_TOPIC, announcement
+from processor.runners.faust import metrics
 
 if TYPE_CHECKING:
-    from processor.runners.faust.worker import SowWorker
+    from processor.runners.faust.worker import WorkerView
 
 
-def install_web(worker: "SowWorker", app) -> None:
-    url = f"http://{worker.web_host}:{worker.web_port}"
+def _json(view, body, status: int = 200):
+    return view.bytes(orjson.dumps(body), status=status, content_type="application/json")
 
+
+def install_web(worker: "WorkerView", app) -> None:
     @app.page("/sow/{topic}")
     async def sow_query(view, request, topic):
         """Query the SOW partitions this worker serves: ?filter=&keys=&select=&top=&order_by="""
-        proc = worker.processors.get(topic)
-        if proc is None:
-            return view.bytes(orjson.dumps({"error": f"unknown SOW topic {topic}"}), status=404, content_type="application/json")
+        engine = worker.engine(topic)
+        if engine is None:
+            return _json(view, {"error": f"unknown SOW topic {topic}"}, 404)
         try:
             query = SowQuery.from_params(dict(request.query))
-            async with worker.locks[topic]:
-                served = sorted(p for (t, p) in worker.ready if t == topic)
-                rows, plan = run_query([proc.stores[p] for p in served], query, proc.indexes.hash_indexes, proc.key_paths)
-        except (FilterError, ValueError) as exc:
-            return view.bytes(orjson.dumps({"error": str(exc)}), status=400, content_type="application/json")
-        body = {"worker": url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
-        return view.bytes(orjson.dumps(body), content_type="application/json")
+        except (FilterError, KsowError, ValueError) as exc:
+            return _json(view, {"error": str(exc)}, 400)
+
+        def run():
+            served = worker.served(topic)
+            rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths)
+            return served, rows, plan
+
+        try:
+            served, rows, plan = await asyncio.get_running_loop().run_in_executor(None, run)
+        except (FilterError, KsowError, ValueError) as exc:
+            return _json(view, {"error": str(exc)}, 400)
+        body = {"worker": worker.url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
+        return _json(view, body)
 
     @app.page("/metrics")
     async def prometheus(view, request):
         """Prometheus exposition of this worker's metrics."""
-        for topic, proc in worker.processors.items():
-            metrics.RECORDS.labels(topic).set(sum(proc.stores[p].count() for (t, p) in worker.ready if t == topic and p in proc.stores))
+        for topic in worker.topics():
+            metrics.RECORDS.labels(topic).set(sum(store.count() for store in worker.stores(topic)))
         return view.bytes(metrics.exposition(), content_type="text/plain")
 
     @app.timer(REFRESH_S, name="ksow-registry")
     async def announce() -> None:
-        served: dict[str, list[int]] = {}
-        for topic, p in sorted(worker.ready):
-            served.setdefault(topic, []).append(p)
-        key, value = announcement(worker.group, url, served)
-        worker.producer.produce(REGISTRY_TOPIC, value, key)
-        worker.producer.poll(0)
+        served = {topic: worker.served(topic) for topic in worker.topics()}
+        key, value = announcement(worker.group, worker.url, {t: ps for t, ps in served.items() if ps})
+        worker.announce(key, value)

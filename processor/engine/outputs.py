@@ -1,0 +1,85 @@
+"""Transitions rendered as the messages of a SOW topic's derived topics (see the contract's "Topics").
+
+One renderer for every engine, so `.sow`, `.diff`, `EXP.<topic>`, `.dead` and `.errors` records are
+byte for byte the same whichever engine wrote them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from processor.contract import headers as H
+from processor.contract.types import InputMessage, Op, Output
+from processor.core.codec import Codec
+from processor.core.sow import Transition
+from processor.topology import SowTopic
+
+_OP_BYTES = {op: op.value.encode() for op in Op}
+
+
+@dataclass(frozen=True, slots=True)
+class Streams:
+    """The derived topics of one SOW topic."""
+
+    sow: str
+    diff: str
+    expired: str | None  # None: expiry_topic none, expired records go to `dead`
+    dead: str
+    errors: str
+    repartition: str
+
+    @classmethod
+    def of(cls, spec: SowTopic) -> "Streams":
+        return cls(spec.sow_topic, spec.diff_topic, spec.expired_topic, spec.dead_topic, spec.errors_topic, spec.repartition_topic)
+
+
+def _headers(t: Transition, key: bytes, expires_at: int | None) -> list[tuple[str, bytes]]:
+    headers = [(H.KEY, key), (H.OP, _OP_BYTES[t.op]), (H.SEQ, b"%d" % t.seq)]
+    if expires_at is not None:
+        headers.append((H.EXPIRES_AT, b"%d" % expires_at))
+    if t.op is Op.EXPIRE:
+        headers.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
+    return headers
+
+
+def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, stored: bool = True) -> None:
+    """Append the messages that tell the world about one transition of partition p.
+
+    A write puts the merged record on `.sow` and the diff on `.diff`; a removal puts a tombstone on
+    `.sow` and the last record on `.diff`, and for expire/evict also on `EXP.`/`.dead`. When nothing
+    is stored (`transient` topics), a write is relayed whole on `.diff` and `.sow` is not written.
+    """
+    key = t.key.encode()
+    after = t.after
+    if after is not None:
+        headers = _headers(t, key, after.expires_at)
+        if not stored:
+            out.append(Output(streams.diff, p, key, codec.encode(after.data), headers))
+            return
+        out.append(Output(streams.sow, p, key, codec.encode(after.data), headers, True))
+        out.append(Output(streams.diff, p, key, orjson.dumps(t.changes), headers))
+        return
+    before = t.before
+    assert before is not None
+    headers = _headers(t, key, before.expires_at)
+    last = codec.encode(before.data)
+    out.append(Output(streams.sow, p, key, None, headers, True))
+    out.append(Output(streams.diff, p, key, last, headers))
+    if t.op is Op.EXPIRE:
+        out.append(Output(streams.expired or streams.dead, p, key, last, headers))
+    elif t.op is Op.EVICT:
+        out.append(Output(streams.dead, p, key, last, headers))
+
+
+def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:
+    """The `.errors` record of an input that could not be applied: its original bytes and the reason."""
+    headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL]
+    headers += [
+        (H.ERROR, reason.encode()),
+        (H.ERROR_TOPIC, msg.topic.encode()),
+        (H.ERROR_PARTITION, b"%d" % msg.partition),
+        (H.ERROR_OFFSET, b"%d" % msg.offset),
+    ]
+    return Output(streams.errors, None, msg.key, msg.value, headers)

@@ -1,0 +1,216 @@
+"""The SOW rules of one partition, written once.
+
+Every engine applies its inputs through `SowPartition`: the Faust worker over its RocksDB or memory
+store, Spark streaming over `transformWithState` state, the reference fold over a dict. They differ
+only in the `PartitionState` they hand in (and in what they call "now"), so a rule changed here is
+changed for all of them.
+
+What a partition decides: whether a write finds its record already expired, whether capacity
+evicts or rejects, which records a delete reaches, when a record expires, the event ID of every
+change, and which messages (SOW streams and views) tell the world.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Protocol
+
+from processor.contract.errors import InputError
+from processor.contract import headers as H
+from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
+from processor.core.codec import Codec
+from processor.core.expiry import is_due
+from processor.core.filters import compile_filter
+from processor.core.keys import owner_partition
+from processor.core.sow import Transition, apply_write, removal
+from processor.engine.outputs import Streams, render
+from processor.topology import CapacityPolicy, Persistence, SowTopic
+
+SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
+
+
+class PartitionState(Protocol):
+    """What the SOW rules need from the state of one partition. Writes are visible to reads at once;
+    when they become durable is the engine's business (a store commits after its Kafka transaction)."""
+
+    def get(self, key: str) -> SowRecord | None: ...
+
+    def put(self, key: str, record: SowRecord) -> None: ...
+
+    def remove(self, key: str) -> None: ...
+
+    def size(self) -> int:
+        """Records, the writes in flight included (what capacity counts)."""
+        ...
+
+    def matching(self, predicate) -> Iterator[str]:
+        """SowKeys of the records (writes in flight included) whose data satisfies the filter."""
+        ...
+
+    def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
+        """(expires_at, SowKey) of records whose instant is at or before now_ms, oldest first.
+        May hold stale entries (a record updated since): the engine checks each against get()."""
+        ...
+
+    def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
+        """Live records, least recently updated first (for capacity eviction)."""
+        ...
+
+    def counter(self) -> int: ...
+
+    def set_counter(self, value: int) -> None: ...
+
+
+class ChangeListener(Protocol):
+    """Told of every change of the partition (server-side views)."""
+
+    def on_change(self, p: int, t: Transition, out: list) -> None: ...
+
+
+class SowPartition:
+    """One partition of one SOW topic, over the state its engine keeps."""
+
+    def __init__(self, spec: SowTopic, p: int, state: PartitionState, codec: Codec, listeners: Iterable[ChangeListener] = ()):
+        self.spec = spec
+        self.p = p
+        self.state = state
+        self.codec = codec
+        self.listeners = tuple(listeners)
+        self.policy = spec.expiry
+        self.key_paths = spec.key_spec.split
+        self.streams = Streams.of(spec)
+        self.stored = spec.persistence is not Persistence.TRANSIENT
+        n, capacity = spec.partitions, spec.capacity
+        # Capacity is split evenly over the partitions, so the topic never holds more than `capacity`.
+        self.capacity = capacity // n + (1 if p < capacity % n else 0) if capacity else 0
+
+    # event IDs ---------------------------------------------------------------------
+    def next_seq(self, now: int) -> int:
+        """Increasing per partition, unique in the topic, never reused: a counter floored by the clock,
+        so a partition rebuilt from a compacted changelog never hands out an old number again."""
+        state = self.state
+        counter = state.counter() + 1
+        floor = now * 1000
+        if counter < floor:
+            counter = floor
+        state.set_counter(counter)
+        return (counter << SEQ_PARTITION_BITS) | self.p
+
+    # commands ----------------------------------------------------------------------
+    def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
+        """Apply one command owned by this partition. `published` is the instant a lifetime counts
+        from, `now` the clock that decides what has expired. Raises InputError when refused."""
+        if cmd.command is Command.SOW_DELETE:
+            self.delete(cmd, now, out)
+        else:
+            self.write(cmd, published, now, out)
+
+    def write(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
+        """A publish or delta publish."""
+        key = cmd.sow_key
+        assert key is not None
+        state = self.state
+        before = state.get(key) if self.stored else None
+        if before is not None and self.policy.active and is_due(before.expires_at, now):
+            # Its instant passed before this write came: it expired first, and the write starts anew.
+            state.remove(key)
+            self._emit(removal(Op.EXPIRE, key, before, now, self.next_seq(now)), out)
+            before = None
+        if before is None and self.capacity and self.stored:
+            self._make_room(now, out)
+        t = apply_write(key, before, cmd, self.policy, self.key_paths, published, self.next_seq(now))
+        if self.stored:
+            state.put(key, t.after)  # type: ignore[arg-type]
+        self._emit(t, out)
+
+    def _make_room(self, now: int, out: list) -> None:
+        """Before a new record: evict the least recently updated record(s), or refuse the new one."""
+        state = self.state
+        if state.size() < self.capacity:
+            return
+        if self.spec.capacity_policy is CapacityPolicy.REJECT:
+            raise InputError(
+                f"capacity reached: partition {self.p} of {self.spec.topic} holds its share of {self.capacity} of capacity "
+                f"{self.spec.capacity} records (capacity_policy: reject)"
+            )
+        for key, victim in state.least_recently_updated():
+            if state.size() < self.capacity:
+                break
+            state.remove(key)
+            self._emit(removal(Op.EVICT, key, victim, now, self.next_seq(now)), out)
+
+    def delete(self, cmd: SowCommand, now: int, out: list) -> int:
+        """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter.
+        Returns how many records it removed."""
+        if not self.stored:
+            return 0  # nothing is kept, so nothing can be deleted
+        if cmd.sow_key is not None:
+            keys: Iterable[str] = (cmd.sow_key,)
+        elif cmd.keys:
+            n = self.spec.partitions
+            keys = [k for k in cmd.keys if owner_partition(k, n) == self.p]
+        else:
+            keys = list(self.state.matching(compile_filter(cmd.filter or "1=1")))
+        state = self.state
+        expiring = self.policy.active
+        removed = 0
+        for key in keys:
+            before = state.get(key)
+            if before is None:
+                continue
+            # A record whose instant has passed was gone before the delete came: it expires.
+            op = Op.EXPIRE if expiring and is_due(before.expires_at, now) else Op.DELETE
+            state.remove(key)
+            self._emit(removal(op, key, before, now, self.next_seq(now)), out)
+            removed += 1
+        return removed
+
+    def expire_due(self, now: int, out: list, limit: int | None = None) -> int:
+        """Remove the records whose instant is at or before `now` (at most `limit`); returns how many."""
+        if not self.policy.active or not self.stored:
+            return 0
+        state = self.state
+        expired = 0
+        for at, key in state.due(now):
+            if limit is not None and expired >= limit:
+                break
+            record = state.get(key)
+            if record is None or record.expires_at != at:
+                continue  # updated or deleted since
+            state.remove(key)
+            self._emit(removal(Op.EXPIRE, key, record, now, self.next_seq(now)), out)
+            expired += 1
+        return expired
+
+    def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:
+        """Remove the given records, telling the world (a `simple` SOW does not survive a restart)."""
+        for key, record in list(records):
+            self.state.remove(key)
+            self._emit(removal(Op.DELETE, key, record, now, self.next_seq(now)), out)
+
+    def reseed(self, records: Iterable[tuple[str, SowRecord]], out: list) -> None:
+        """Write the records back to a `.sow` changelog that lost them (deleted and recreated): the same
+        versions, with their own event IDs, and nothing on `.diff` since nothing changed."""
+        sow = self.streams.sow
+        encode = self.codec.encode
+        for key, record in records:
+            kb = key.encode()
+            headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
+            if record.expires_at is not None:
+                headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
+            out.append(Output(sow, self.p, kb, encode(record.data), headers, True))
+
+    # outputs -----------------------------------------------------------------------
+    def _emit(self, t: Transition, out: list | None) -> None:
+        """Render the messages of a transition (out=None: the caller keeps transitions, not messages)."""
+        if out is not None:
+            render(t, self.p, self.codec, self.streams, out, self.stored)
+        for listener in self.listeners:
+            listener.on_change(self.p, t, out)
+
+
+def scan_matching(records: Callable[[], Iterator[tuple[str, SowRecord]]], predicate) -> Iterator[str]:
+    """`PartitionState.matching` for states without indexes: test every record."""
+    matches = predicate.matches
+    for key, record in records():
+        if matches(record.data):
+            yield key

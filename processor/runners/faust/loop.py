@@ -1,0 +1,547 @@
+"""The worker's input loop: consume, order, apply, produce and commit, exactly once.
+
+One thread owns a confluent-kafka consumer (the worker's membership of the consumer group) and a
+transactional producer. Each cycle:
+
+1. consumes what is there and files it in one queue per input partition;
+2. merges the inputs of each owned SOW partition in timestamp order (processor.engine.ordering),
+   waiting, at most `max_idle_ms`, for an input that is behind;
+3. applies them with the engine, sweeps expiry and releases conflated view events;
+4. produces every output, sends the input offsets to the transaction and commits it;
+5. then commits the stores with their changelog positions.
+
+A crash before 4 completes aborts the transaction: no output is visible to `read_committed`
+readers and the inputs are read again. A crash between 4 and 5 leaves the stores behind their
+changelog, and restoring replays it. A worker that lost its partitions (a long stall) cannot commit:
+its offsets carry an old group generation, so the coordinator refuses them and the transaction aborts.
+
+With `at_least_once` there is no transaction: outputs are delivered, the stores committed, then the
+offsets; a crash repeats the outputs of the inputs read again.
+
+The loop never runs on Faust's event loop: a long scan or a large batch cannot starve the group
+heartbeat (librdkafka heartbeats from its own thread) or the HTTP server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from processor.contract import headers as H
+from processor.contract.types import InputMessage, Output
+from processor.engine.ordering import drain_in_order
+from processor.engine.topic import SowTopicEngine
+from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
+from processor.runners.faust import metrics
+from processor.state.base import PartitionStore, open_partition_store
+from processor.topology import Persistence, Topology
+
+log = logging.getLogger("ksow.loop")
+
+
+class Guarantee(str, Enum):
+    """As Kafka Streams' `processing.guarantee`."""
+
+    EXACTLY_ONCE = "exactly_once"
+    AT_LEAST_ONCE = "at_least_once"
+
+
+@dataclass
+class LoopSettings:
+    guarantee: Guarantee = Guarantee.EXACTLY_ONCE
+    batch_max: int = 5000  # inputs applied in one transaction at most
+    max_idle_ms: int = 500  # how long a SOW partition waits for an input that is behind
+    expiry_tick_ms: int = 25  # between expiry sweeps
+    expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
+    queue_high: int = 20000  # an input partition with this many queued messages is paused
+    max_message_bytes: int = 1_000_000  # the producer's message.max.bytes: larger outputs go to .errors
+
+    @classmethod
+    def from_env(cls, **overrides) -> "LoopSettings":
+        env = os.environ.get
+        settings = cls(
+            guarantee=Guarantee(env("KSOW_PROCESSING_GUARANTEE", Guarantee.EXACTLY_ONCE.value)),
+            batch_max=int(env("KSOW_BATCH_MAX", cls.batch_max)),
+            max_idle_ms=int(env("KSOW_MAX_TASK_IDLE_MS", cls.max_idle_ms)),
+            max_message_bytes=int(env("KSOW_MAX_MESSAGE_BYTES", cls.max_message_bytes)),
+        )
+        for name, value in overrides.items():
+            if value is not None:
+                setattr(settings, name, value)
+        return settings
+
+
+# Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
+_RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
+
+
+@dataclass
+class Task:
+    """One SOW partition this worker owns: its inputs' queues, its store, its progress."""
+
+    engine: SowTopicEngine
+    p: int
+    inputs: tuple[tuple[str, int], ...]  # (topic, partition) of <topic>, <topic>.delta, <topic>.repartition
+    queues: tuple[deque, deque, deque] = field(default_factory=lambda: (deque(), deque(), deque()))
+    at_end: list[bool] = field(default_factory=lambda: [False, False, False])
+    store: PartitionStore | None = None
+    restored: bool = False
+    waiting_since: float = 0.0  # monotonic time the merge first had to wait, 0 when it is not waiting
+
+    @property
+    def name(self) -> tuple[str, int]:
+        return (self.engine.spec.topic, self.p)
+
+
+class _Positions:
+    """The `.sow` offsets of one transaction, from delivery reports of changelog records only."""
+
+    __slots__ = ("next", "failed")
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[str, int], int] = {}
+        self.failed: list = []
+
+    def __call__(self, err, msg) -> None:
+        if err is not None:
+            self.failed.append(err)
+            return
+        tp = (msg.topic(), msg.partition())
+        offset = msg.offset() + 1
+        if offset > self.next.get(tp, 0):
+            self.next[tp] = offset
+
+
+class _Failures:
+    """Delivery errors of the messages that are not changelog records (at-least-once only)."""
+
+    __slots__ = ("errors",)
+
+    def __init__(self) -> None:
+        self.errors: list = []
+
+    def __call__(self, err, msg) -> None:
+        if err is not None:
+            self.errors.append(err)
+
+
+class SowLoop:
+    """The input loop of one worker (see the module docstring). `run()` blocks; `stop()` ends it."""
+
+    def __init__(self, topology: Topology, bootstrap: str, group: str, data_dir: Path, topology_dir: Path | None = None,
+                 settings: LoopSettings | None = None, instance: str = "0"):
+        self.topology = topology
+        self.bootstrap = bootstrap
+        self.group = group
+        self.data_dir = data_dir
+        self.settings = settings or LoopSettings.from_env()
+        self.eos = self.settings.guarantee is Guarantee.EXACTLY_ONCE
+        self.engines = {s.topic: SowTopicEngine(s, topology_dir, topology.views_of(s.topic)) for s in topology.sow}
+        self._by_input: dict[str, tuple[SowTopicEngine, int]] = {}
+        for engine in self.engines.values():
+            spec = engine.spec
+            self._by_input[spec.topic] = (engine, _RANK_TOPIC)
+            self._by_input[spec.delta_topic] = (engine, _RANK_DELTA)
+            self._by_input[spec.repartition_topic] = (engine, _RANK_REPARTITION)
+        self.tasks: dict[tuple[str, int], Task] = {}
+        self._task_of_input: dict[tuple[str, int], tuple[Task, int]] = {}
+        self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, kept open for a while
+        self._paused: set[tuple[str, int]] = set()
+        self.lock = threading.RLock()  # held while stores change: readers (HTTP queries) take it to list them
+        self._stop = threading.Event()
+        self._next_sweep = 0.0
+        self.transactional_id = f"ksow-{group}-{instance}"
+        self.consumer = make_consumer(
+            bootstrap, group,
+            **{
+                "isolation.level": "read_committed",
+                "partition.assignment.strategy": "range",  # co-partitions <topic>, .delta and .repartition
+                "session.timeout.ms": int(os.environ.get("KSOW_SESSION_TIMEOUT_MS", 10000)),
+                "heartbeat.interval.ms": 2000,
+                "max.poll.interval.ms": 600000,
+                "enable.partition.eof": True,
+                "queued.max.messages.kbytes": 65536,
+            },
+        )
+        self.producer = self._new_producer()
+
+    # producer --------------------------------------------------------------------------------
+    def _new_producer(self):
+        if not self.eos:
+            return make_producer(self.bootstrap, **{"message.max.bytes": self.settings.max_message_bytes + 65536})
+        producer = make_producer(
+            self.bootstrap,
+            **{
+                "transactional.id": self.transactional_id,
+                "transaction.timeout.ms": int(os.environ.get("KSOW_TRANSACTION_TIMEOUT_MS", 10000)),
+                "retry.backoff.ms": 10,  # send_offsets_to_transaction retries CONCURRENT_TRANSACTIONS quickly
+                "message.max.bytes": self.settings.max_message_bytes + 65536,
+            },
+        )
+        producer.init_transactions(60)  # fences an earlier incarnation with the same transactional.id
+        return producer
+
+    # lifecycle ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        inputs = [t for engine in self.engines.values() for t in engine.inputs]
+        self.consumer.subscribe(inputs, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        log.info("loop: %s, transactional.id %s, inputs %s", self.settings.guarantee.value, self.transactional_id if self.eos else "-", ", ".join(inputs))
+        try:
+            while not self._stop.is_set():
+                self.cycle()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        try:
+            self.consumer.close()  # leaves the group: the partitions move at once
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("consumer close", exc_info=True)
+        self.producer.flush(10)
+        with self.lock:
+            for task in self.tasks.values():
+                if task.store is not None:
+                    task.store.close()
+            for store in self._parked.values():
+                store.close()
+            self.tasks.clear()
+            self._parked.clear()
+
+    # rebalances (called by librdkafka inside consume(), on this thread) ----------------------
+    def _on_assign(self, consumer, partitions) -> None:
+        with self.lock:
+            for tp in partitions:
+                owner = self._by_input.get(tp.topic)
+                if owner is None:
+                    continue
+                engine, rank = owner
+                name = (engine.spec.topic, tp.partition)
+                task = self.tasks.get(name)
+                if task is None:
+                    spec = engine.spec
+                    task = self.tasks[name] = Task(engine, tp.partition, ((spec.topic, tp.partition), (spec.delta_topic, tp.partition), (spec.repartition_topic, tp.partition)))
+                self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        """Nothing is in flight here (a transaction never spans consume()): forget the partitions.
+        Their stores stay open, parked, in case they come back (then they need no full restore)."""
+        with self.lock:
+            for tp in partitions:
+                found = self._task_of_input.pop((tp.topic, tp.partition), None)
+                self._paused.discard((tp.topic, tp.partition))
+                if found is None:
+                    continue
+                task = found[0]
+                if self.tasks.pop(task.name, None) is not None:
+                    task.engine.detach(task.p)
+                    if task.store is not None:
+                        self._parked[task.name] = task.store
+        log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+
+    # the cycle ------------------------------------------------------------------------------
+    def cycle(self) -> None:
+        messages = self.consumer.consume(self.settings.batch_max, 0.05)
+        if messages:
+            self._file(messages)
+        if any(not t.restored for t in self.tasks.values()):
+            self._restore_pending()
+        now = time.time_ns() // 1_000_000
+        out: list[Output] = []
+        offsets: dict[tuple[str, int], int] = {}
+        applied = 0
+        for task in list(self.tasks.values()):
+            if task.restored:
+                applied += self._apply(task, now, out, offsets)
+        mono = time.monotonic()
+        if mono >= self._next_sweep:
+            self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
+            self._sweep(now, out)
+        if out or offsets:
+            self._commit(out, offsets, applied)
+        self._flow_control()
+
+    def _file(self, messages) -> None:
+        """Put consumed messages in the queue of their input partition (end-of-partition events mark
+        an input as caught up)."""
+        task_of = self._task_of_input
+        for msg in messages:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    found = task_of.get((msg.topic(), msg.partition()))
+                    if found is not None:
+                        found[0].at_end[found[1]] = True
+                elif err.fatal():
+                    raise KafkaException(err)
+                else:
+                    log.warning("consumer: %s", err)
+                continue
+            found = task_of.get((msg.topic(), msg.partition()))
+            if found is None:
+                continue  # a partition revoked meanwhile
+            task, rank = found
+            task.queues[rank].append((msg.timestamp()[1], rank, msg.offset(), msg))
+            task.at_end[rank] = False
+
+    def _apply(self, task: Task, now: int, out: list, offsets: dict) -> int:
+        queues = task.queues
+        if not (queues[0] or queues[1] or queues[2]):
+            task.waiting_since = 0.0
+            return 0
+        behind = [not e for e in task.at_end]
+        force = bool(task.waiting_since) and (time.monotonic() - task.waiting_since) * 1000 >= self.settings.max_idle_ms
+        if force:  # waited long enough for an input that is behind: apply what is here
+            metrics.ENFORCED.inc()
+        batch = drain_in_order(queues, behind, self.settings.batch_max, force)
+        if any(queues) and any(b and not q for q, b in zip(queues, behind)):
+            task.waiting_since = task.waiting_since or time.monotonic()
+        else:
+            task.waiting_since = 0.0
+        if not batch:
+            return 0
+        inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
+        start = len(out)
+        task.engine.handle(inputs, now, out)
+        self._fit(task, out, start)
+        for m in batch:
+            offsets[(m.topic(), m.partition())] = m.offset() + 1
+        return len(batch)
+
+    def _fit(self, task: Task, out: list, start: int) -> None:
+        """Outputs over the broker's message size cannot be produced: such a message is replaced by an
+        `.errors` record saying so (the record it belonged to keeps its state; see README "Limits")."""
+        limit = self.settings.max_message_bytes
+        for i in range(start, len(out)):
+            o = out[i]
+            size = (len(o.value) if o.value else 0) + (len(o.key) if o.key else 0)
+            if size > limit:
+                reason = f"output of {size} bytes for {o.topic} exceeds the limit of {limit} bytes (KSOW_MAX_MESSAGE_BYTES)".encode()
+                headers = [(k, v) for k, v in o.headers if k not in H.INTERNAL] + [(H.ERROR, reason), (H.ERROR_TOPIC, o.topic.encode())]
+                out[i] = Output(task.engine.streams.errors, None, o.key, (o.value or b"")[: limit // 2], headers)
+
+    def _sweep(self, now: int, out: list) -> None:
+        """Expire what is due and release conflated view events whose interval ended."""
+        limit = self.settings.expire_batch
+        for task in self.tasks.values():
+            if not task.restored:
+                continue
+            engine = task.engine
+            if engine.spec.expiry.active:
+                engine.expire_due(task.p, now, out, limit)
+            if engine.conflates:
+                engine.release_views(task.p, now, out)
+
+    # commit ---------------------------------------------------------------------------------
+    def _commit(self, out: list[Output], offsets: dict[tuple[str, int], int], applied: int) -> None:
+        producer = self.producer
+        positions = _Positions()
+        failures = None if self.eos else _Failures()
+        started = time.perf_counter()
+        try:
+            if self.eos:
+                producer.begin_transaction()
+            produce = producer.produce
+            for o in out:
+                callback = positions if o.changelog else failures
+                try:
+                    produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+                except BufferError:
+                    self._produce_when_room(o, callback)
+            if self.eos:
+                if offsets:
+                    producer.send_offsets_to_transaction(
+                        [TopicPartition(t, p, o) for (t, p), o in offsets.items()], self.consumer.consumer_group_metadata(), 30
+                    )
+                producer.commit_transaction(60)
+            else:
+                producer.flush()
+            if positions.failed or (failures and failures.errors):
+                raise KafkaException((positions.failed or failures.errors)[0])
+        except KafkaException as exc:
+            self._recover(exc)
+            return
+        with self.lock:
+            for task in self.tasks.values():
+                store = task.store
+                if store is None:
+                    continue
+                position = positions.next.get((task.engine.spec.sow_topic, task.p))
+                if position is not None and position > store.meta("changelog"):
+                    store.set_meta("changelog", position)
+                if store.dirty:
+                    store.commit()
+        if not self.eos and offsets:
+            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
+        metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
+        metrics.INPUTS.inc(applied)
+        metrics.OUTPUTS.inc(len(out))
+
+    def _produce_when_room(self, o: Output, callback) -> None:
+        while True:
+            self.producer.poll(0.05)
+            try:
+                self.producer.produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+                return
+            except BufferError:
+                continue
+
+    def _recover(self, exc: KafkaException) -> None:
+        """A batch that could not commit (fenced, a rebalance took the partitions, a broker error):
+        abort it, forget everything it changed and read its inputs again from the committed offsets."""
+        err = exc.args[0] if exc.args else None
+        log.warning("batch not committed, aborting it: %s", err)
+        metrics.ABORTED.inc()
+        if self.eos:
+            try:
+                if err is not None and getattr(err, "fatal", lambda: False)():
+                    raise KafkaException(err)
+                self.producer.abort_transaction(30)
+            except KafkaException:
+                log.warning("transactional producer is fenced or failed: starting a new one")
+                self.producer = self._new_producer()
+        with self.lock:
+            for task in list(self.tasks.values()):
+                if task.store is not None:
+                    task.store.rollback()
+                for q in task.queues:
+                    q.clear()
+                task.at_end = [False, False, False]
+                task.restored = False  # views' holds and the store are read back before going on
+            assigned = self.consumer.assignment()
+        if assigned:
+            committed = self.consumer.committed(assigned, 30)
+            for tp in committed:
+                tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
+                self.consumer.seek(tp)
+
+    # restore --------------------------------------------------------------------------------
+    def _restore_pending(self) -> None:
+        """Bring every newly assigned SOW partition up to date before any of its inputs is applied:
+        its store from `<topic>.sow`, its conflated views' holds from `<topic>.holds`."""
+        pending = [t for t in self.tasks.values() if not t.restored]
+        if not pending:
+            return
+        # Waits until no transaction of an earlier owner is still open on these inputs (KIP-447).
+        self.consumer.committed([TopicPartition(t, p) for task in pending for (t, p) in task.inputs], 60)
+        out: list[Output] = []
+        now = time.time_ns() // 1_000_000
+        for task in pending:
+            with self.lock:
+                self._restore(task, now, out)
+        if out:
+            self._commit(out, {}, 0)
+
+    def _restore(self, task: Task, now: int, out: list) -> None:
+        spec = task.engine.spec
+        store = task.store or self._parked.pop(task.name, None)
+        if store is None:
+            if spec.persistence is Persistence.PERSISTENT:
+                store = open_partition_store("rocksdb", str(self.data_dir / "sow" / spec.topic / f"p{task.p}"), task.engine.indexes)
+            else:
+                store = open_partition_store("memory", None, task.engine.indexes)
+        task.store = store
+        task.engine.detach(task.p)  # forget views' holds of an earlier, aborted attempt
+        partition = task.engine.attach(task.p, store)
+        if spec.persistence in (Persistence.PERSISTENT, Persistence.MEMORY):
+            count, reseed = self._replay_changelog(task, store)
+            log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
+            if reseed:
+                partition.reseed(store.records(), out)
+        elif spec.persistence is Persistence.SIMPLE:
+            partition.purge(store.records(), now, out)  # a `simple` SOW does not survive its owner
+        if task.engine.conflates:
+            self._read_holds(task)
+        task.restored = True
+
+    def _replay_changelog(self, task: Task, store: PartitionStore) -> tuple[int, bool]:
+        """Replay `<topic>.sow` from the store's position to its end. Returns (records read, whether
+        the store must re-seed the changelog: it is ahead of a log that was deleted or truncated)."""
+        topic = task.engine.spec.sow_topic
+        consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
+        try:
+            ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
+            position = store.meta("changelog")
+            if position > high:
+                # The log is behind the store (deleted and recreated while nobody ran): keep the SOW
+                # and write it back to the new log rather than lose it.
+                log.warning("%s[%d] ends at %d but the store has seen %d: keeping the store and re-seeding the changelog",
+                            topic, task.p, high, position)
+                metrics.RESEEDS.inc()
+                store.set_meta("changelog", high)
+                store.commit()
+                return 0, store.count() > 0
+            if position < low:  # compacted past the store: rebuild from the start of the log
+                store.clear()
+                position = low
+            count = 0
+            if position < high:
+                consumer.assign([TopicPartition(topic, task.p, position)])
+                for msg in read_until(consumer, {(topic, task.p): high}):
+                    try:
+                        task.engine.restore(task.p, store, msg.key(), msg.value(), msg.headers(), msg.timestamp()[1])
+                    except Exception as exc:  # noqa: BLE001 - a record written by anything else must not stop restore
+                        log.warning("skipped %s[%d]@%d: not a SOW record (%s)", topic, task.p, msg.offset(), exc)
+                        metrics.CHANGELOG_SKIPPED.inc()
+                    count += 1
+                    if count % 20000 == 0:
+                        store.set_meta("changelog", msg.offset() + 1)
+                        store.commit()
+            store.set_meta("changelog", high)
+            store.commit()
+            return count, False
+        finally:
+            consumer.close()
+
+    def _read_holds(self, task: Task) -> None:
+        topic = task.engine.spec.holds_topic
+        consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
+        try:
+            ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
+            if high > low:
+                consumer.assign([TopicPartition(topic, task.p, low)])
+                for msg in read_until(consumer, {(topic, task.p): high}):
+                    for view in task.engine.views:
+                        view.restore_hold(task.p, msg.key(), msg.value())
+        finally:
+            consumer.close()
+
+    # flow control -----------------------------------------------------------------------------
+    def _flow_control(self) -> None:
+        """Pause input partitions whose queue is long (another input of their SOW partition is behind),
+        resume them when it has drained."""
+        high = self.settings.queue_high
+        pause, resume = [], []
+        for task in self.tasks.values():
+            for (topic, p), q in zip(task.inputs, task.queues):
+                tp = (topic, p)
+                if len(q) >= high and tp not in self._paused:
+                    pause.append(TopicPartition(topic, p))
+                    self._paused.add(tp)
+                elif len(q) < high // 2 and tp in self._paused:
+                    resume.append(TopicPartition(topic, p))
+                    self._paused.discard(tp)
+        if pause:
+            self.consumer.pause(pause)
+        if resume:
+            self.consumer.resume(resume)
+
+    # read-only views for the HTTP side ----------------------------------------------------------
+    def served(self, topic: str) -> list[int]:
+        with self.lock:
+            return sorted(t.p for t in self.tasks.values() if t.restored and t.engine.spec.topic == topic)
+
+    def stores(self, topic: str) -> list[PartitionStore]:
+        with self.lock:
+            return [t.store for t in sorted(self.tasks.values(), key=lambda t: t.p) if t.restored and t.engine.spec.topic == topic and t.store is not None]
