@@ -103,7 +103,7 @@ class WorkerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         if wait:
-            self.wait_for("restored ", timeout)
+            self.wait_for("Worker]: Ready", timeout)
         return self
 
     def log(self) -> str:

@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from processor.contract.types import InputError, Op, SowRecord
+from processor.contract.errors import InputError
+from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.codec import Codec, codec_for
 from processor.core.durations import parse_duration_ms
@@ -27,7 +28,7 @@ from processor.core.keys import KeyError_
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import SowQuery, order_and_cut, result, selection
-from processor.topology import DEFAULT_TOPOLOGY, SowTopic, Topology, load_topology
+from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology
 
 
 REGISTRY_CACHE_S = 2.0  # how long a client trusts its list of workers (a miss re-reads it at once)
@@ -197,8 +198,10 @@ class Client:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
         (with `after_seq`) the last change of every record whose event ID is above it, in order."""
         consumer = make_consumer(self.bootstrap)
-        topic = spec.sow_topic
+        topic = _live_topic(spec)
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
+        if topic != spec.sow_topic:  # a transient topic keeps no SOW: nothing to read before the live stream
+            return {}, ends, consumer, []
         consumer.assign([TopicPartition(topic, p, 0) for p in range(spec.partitions)])
         state: dict[str, tuple[Any, ...]] = {}
         since: dict[str, tuple] = {}
@@ -360,7 +363,8 @@ class Client:
                         event = feed.sub.snapshot(key, seq, record, expires)
                         if event is not None:
                             yield i, event
-            consumer.assign([TopicPartition(spec.sow_topic, p, ends[p]) for p in ends])
+            consumer.assign([TopicPartition(_live_topic(spec), p, ends[p]) for p in ends])
+            stored = spec.persistence is not Persistence.TRANSIENT
             idle_since = time.monotonic()
             for feed in feeds:
                 feed.flush_at = idle_since + feed.interval
@@ -373,7 +377,8 @@ class Client:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now
-                    change = _decode_change(codec, state, msg)
+                    # A transient topic's messages come whole, each as if new (a delta subscriber too).
+                    change = _decode_change(codec, state if stored else {}, msg)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.change(*change)
                         if event is None:
@@ -395,6 +400,12 @@ class Client:
                     return
         finally:
             consumer.close()
+
+
+def _live_topic(spec: SowTopic) -> str:
+    """Where a subscription's changes come from: `.sow`, or for a transient topic (no SOW) `.diff`,
+    where the workers relay each message whole."""
+    return spec.diff_topic if spec.persistence is Persistence.TRANSIENT else spec.sow_topic
 
 
 @dataclass

@@ -5,16 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from processor.contract.errors import InputError
-
-
 class Command(str, Enum):
     """`sow-command` values."""
 
     PUBLISH = "publish"
     DELTA_PUBLISH = "delta_publish"
     SOW_DELETE = "sow_delete"
-
 
 class Op(str, Enum):
     """`sow-op` values on the output topics."""
@@ -30,7 +26,6 @@ class Op(str, Enum):
     def removes(self) -> bool:
         return self in (Op.DELETE, Op.EXPIRE, Op.EVICT)
 
-
 @dataclass(slots=True)
 class SowRecord:
     """One record of the SOW: the merged data and what is stored beside it."""
@@ -39,7 +34,6 @@ class SowRecord:
     seq: int  # sow-seq of the event that produced this version
     expires_at: int | None = None  # epoch ms, None = never
     updated_at: int = 0  # epoch ms of the last publish/delta (capacity evicts the oldest)
-
 
 @dataclass(slots=True)
 class SowCommand:
@@ -52,7 +46,6 @@ class SowCommand:
     keys: tuple[str, ...] = ()  # sow-keys of a delete by keys
     filter: str | None = None  # sow-filter of a delete by filter
 
-
 @dataclass(slots=True)
 class InputMessage:
     """One message of an input topic, whichever engine read it."""
@@ -64,7 +57,6 @@ class InputMessage:
     value: bytes | None
     headers: list[tuple[str, bytes]] | None
     timestamp: int  # the Kafka timestamp, epoch ms
-
 
 @dataclass(slots=True)
 class Output:

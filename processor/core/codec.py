@@ -9,7 +9,7 @@ from typing import Protocol
 
 import orjson
 
-from processor.contract.types import InputError
+from processor.contract.errors import InputError
 
 
 class Codec(Protocol):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from processor.contract import headers as H
-from processor.contract.types import Command, InputError, SowCommand
+from processor.contract.errors import InputError
+from processor.contract.types import Command, SowCommand
 from processor.core.codec import Codec
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.filters import FilterError, compile_filter

@@ -10,7 +10,6 @@ objects are diffed recursively; a field the new record no longer has appears as 
 
 from __future__ import annotations
 
-from typing import Any
 
 from processor.core.paths import MISSING, get_path, set_path
 

@@ -1,54 +1,64 @@
-"""The order in which the inputs of one SOW partition are applied.
+"""The order in which a worker applies the inputs of a SOW topic.
 
-A SOW partition p has three input partitions: `<topic>` p, `<topic>.delta` p and `<topic>.repartition`
-p. Each is applied in offset order; between them, inputs are merged by Kafka timestamp, so a delta
-sent 1 ms after a full publish is applied after it, whichever topic each used. Ties go to
+A worker owns some SOW partitions of a topic; each has three input partitions: `<topic>` p,
+`<topic>.delta` p and `<topic>.repartition` p. All the input partitions a worker owns for a topic are
+merged into one order by Kafka timestamp, so a delta sent 1 ms after a full publish is applied after
+it, whichever topic each used, and an input that belongs to another partition of the same worker
+is applied there in that same order (without a round trip through `.repartition`). Ties go to
 `<topic>`, then `<topic>.delta`, then `<topic>.repartition` (a rerouted input keeps its original
-timestamp), then the lower offset.
+timestamp), then partition, then offset.
 
-A merge may only take the smallest head when no input that is still behind (it has data on the broker
-not yet fetched) could hold a smaller one: like Kafka Streams' stream-time synchronisation, the merge
-stops at an empty input that is not known to be at its end, and the runner waits (bounded by its
-max idle time) for that input to be fetched.
+Each input partition is applied in offset order whatever its timestamps: an entry's sort time is the
+largest timestamp seen so far on its partition (as Kafka Streams' partition time), so a timestamp
+that goes backwards never jumps the queue.
+
+A merge may only take an entry when no input partition that is behind (data on the broker not yet
+fetched) could still hold an older one: the merge stops at the last entry of the least advanced
+such partition, and at once when one of them is empty. The runner then waits, bounded by its max
+idle time, and forces the merge when that has passed (stream-time synchronisation, as Kafka
+Streams' `max.task.idle.ms`).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from typing import Any, Sequence
 
-# An entry is (timestamp, rank, offset, item): tuples compare by timestamp, then rank, then offset.
-Entry = tuple[int, int, int, Any]
+# An entry is (sort time, rank, partition, offset, item).
+Entry = tuple[int, int, int, int, Any]
+
+_NO_BOUND = (float("inf"),)
 
 
-def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], limit: int, force: bool = False) -> list:
-    """Pop and return up to `limit` items from FIFO queues of entries, in merged order.
+def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool = False) -> list:
+    """Pop every entry that can be applied now from FIFO queues of entries (each in increasing
+    order) and return their items in merged order.
 
-    `behind[i]` says queue i may receive more entries that are not fetched yet: the merge stops as
-    soon as such a queue is empty (unless `force`, when the runner has waited long enough). Within a
-    queue the FIFO order always holds, even if its timestamps go backwards.
+    `behind[i]` says queue i may receive older entries that are not fetched yet: nothing past the
+    last entry of such a queue may go (nothing at all while one is empty), unless `force`.
     """
-    live = [i for i, q in enumerate(queues) if q]
-    if not live:
-        return []
-    waiting = not force and any(b and not q for q, b in zip(queues, behind))
-    if waiting:
-        return []
-    if len(live) == 1 and (force or not any(behind[i] for i in range(len(queues)) if i != live[0])):
-        q = queues[live[0]]  # the common case: one input has data, the others are at their end
-        n = min(limit, len(q))
-        return [q.popleft()[3] for _ in range(n)]
-    out: list = []
-    heap = [(q[0], i) for i, q in enumerate(queues) if q]
-    heapq.heapify(heap)
-    while heap and len(out) < limit:
-        entry, i = heapq.heappop(heap)
-        q = queues[i]
-        q.popleft()
-        out.append(entry[3])
-        if q:
-            heapq.heappush(heap, (q[0], i))
-        elif behind[i] and not force:
-            break  # this input may still hold something older than the other heads
-    return out
+    bound: tuple = _NO_BOUND
+    if not force:
+        for q, b in zip(queues, behind):
+            if b:
+                if not q:
+                    return []
+                last = q[-1]
+                if last < bound:
+                    bound = last
+    taken: list = []
+    live = 0
+    for q in queues:
+        if not q:
+            continue
+        live += 1
+        if bound is _NO_BOUND:
+            taken.extend(q)
+            q.clear()
+        else:
+            popleft = q.popleft
+            while q and q[0] <= bound:
+                taken.append(popleft())
+    if live > 1:
+        taken.sort()  # runs of already ordered entries: timsort merges them in C
+    return [entry[4] for entry in taken]

@@ -1,10 +1,10 @@
 """One SOW topic as an engine sees it: inputs parsed, routed to the partition that owns them, applied.
 
 The facade over the partitions of one topic that a runner owns. A runner hands it input messages in
-the order they are to be applied and a list to append outputs to; routing decides whether an input is
-applied here or rerouted through `<topic>.repartition` to the partition that owns its SowKey (a
-delete by SowKeys or by filter fans out to every owner), and each owned partition applies its inputs
-with the rules of `SowPartition`.
+the order they are to be applied and a list to append outputs to; routing applies each input in the
+partition that owns its SowKey (a delete by SowKeys or by filter in every owner) when the runner
+owns that partition, and reroutes it through `<topic>.repartition` otherwise; each partition applies
+its inputs with the rules of `SowPartition`.
 """
 
 from __future__ import annotations
@@ -98,23 +98,36 @@ class SowTopicEngine:
         return parse_command(self.spec.key_spec, self.codec, default, msg.value, header_map(msg.headers)), default
 
     def handle_one(self, msg: InputMessage, now: int, out: list) -> None:
+        """Apply one input where it belongs: in the partition that owns it when this runner owns that
+        partition too, else rerouted through `.repartition` to its owner."""
         cmd, default = self.parse(msg)
+        published = msg.timestamp or now
+        partitions = self.partitions
         n = self.spec.partitions
-        p = msg.partition
         if cmd.sow_key is not None:
             owner = owner_partition(cmd.sow_key, n)
-            if owner != p:
+            target = partitions.get(owner)
+            if target is None:
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
-                return
-        elif cmd.keys and not _is_local(msg):
-            for key in cmd.keys:  # each key is deleted by the partition that owns it
-                out.append(self._reroute(msg, default, owner_partition(key, n), key.encode(), (H.KEYS, key.encode())))
+            else:
+                target.apply(cmd, published, now, out)
             return
-        elif cmd.filter is not None and not _is_local(msg):
-            for q in range(n):  # every partition deletes its own matches
-                out.append(self._reroute(msg, default, q, msg.key))
+        if _is_local(msg):  # a fanned-out delete: for this partition only
+            partitions[msg.partition].apply(cmd, published, now, out)
             return
-        self.partitions[p].apply(cmd, msg.timestamp or now, now, out)
+        if cmd.keys:  # each key is deleted by the partition that owns it
+            owners = {owner_partition(key, n) for key in cmd.keys}
+            for key in cmd.keys:
+                owner = owner_partition(key, n)
+                if owner not in partitions:
+                    out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode())))
+        else:  # a delete by filter: every partition deletes its own matches
+            owners = set(range(n))
+            for q in range(n):
+                if q not in partitions:
+                    out.append(self._reroute(msg, default, q, msg.key))
+        for q in sorted(owners & partitions.keys()):
+            partitions[q].apply(cmd, published, now, out)
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]

@@ -7,7 +7,7 @@ import fastavro
 import orjson
 import pytest
 
-from processor.contract.types import InputError
+from processor.contract.errors import InputError
 from processor.core.codec import AvroCodec
 from processor.core.keys import owner_partition
 from processor.contract.types import InputMessage

@@ -2,7 +2,8 @@
 
 import pytest
 
-from processor.contract.types import Command, InputError
+from processor.contract.errors import InputError
+from processor.contract.types import Command
 from processor.core.codec import JsonCodec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import KeySpec

@@ -107,17 +107,36 @@ def test_bad_inputs_go_to_errors_with_original_bytes(proc):
     assert all(proc.stores.get(p) is None or proc.stores[p].count() == 0 for p in range(N))
 
 
-def test_delete_by_keys_routes_each_key_to_its_owner(proc):
-    recs = [{"id": i} for i in range(6)]
-    run(proc, [msg(proc, r) for r in recs])
-    keys = [key_of(proc, r) for r in recs[:3]]
-    out = run(proc, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-keys", ",".join(keys).encode())], 1)])
-    assert sorted(r.key.decode() for r in out) == sorted(keys) and {r.topic for r in out} == {"orders.repartition"}
-    local = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in out]
-    out = by_topic(run(proc, local))
-    assert sorted(r.key.decode() for r in out["orders.sow"]) == sorted(keys)
-    remaining = sum(proc.stores[p].count() for p in proc.stores)
-    assert remaining == 3
+def two_workers(tmp_path):
+    """Two runners of one topic: `a` owns partitions 0 and 1, `b` owns 2 and 3."""
+    a, b = make(tmp_path / "a"), make(tmp_path / "b")
+    for p in range(N):
+        (a if p < 2 else b).open(p)
+    return a, b
+
+
+def load(a, b, records):
+    for r in records:
+        m = msg(a, r)
+        worker = a if m.partition < 2 else b
+        worker.handle([m], now=5_000)
+        worker.commit()
+
+
+def test_delete_by_keys_applies_at_local_owners_and_reroutes_to_the_others(tmp_path):
+    a, b = two_workers(tmp_path)
+    recs = [{"id": i} for i in range(12)]
+    load(a, b, recs)
+    keys = [key_of(a, r) for r in recs[:6]]
+    remote = {k for k in keys if owner_partition(k, N) >= 2}
+    assert remote and remote != set(keys)
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-keys", ",".join(keys).encode())], 1)])
+    rerouted = [r for r in out if r.topic == "orders.repartition"]
+    assert sorted(r.key.decode() for r in rerouted) == sorted(remote) and all(r.partition == owner_partition(r.key.decode(), N) for r in rerouted)
+    assert {r.key.decode() for r in out if r.topic == "orders.sow"} == set(keys) - remote
+    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in rerouted]))
+    assert {r.key.decode() for r in out["orders.sow"]} == remote
+    assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 6
 
 
 def test_expiry_removes_due_records_with_all_outputs(tmp_path):
@@ -175,15 +194,16 @@ def test_event_ids_increase_and_survive_restore(tmp_path):
     assert int(hdr(again[0], "sow-seq")) > max(seqs)
 
 
-def test_fanned_out_filter_delete_needs_filters(proc):
-    pytest.importorskip("processor.core.filters")
-    run(proc, [msg(proc, {"id": i, "s": "open" if i % 2 else "done"}) for i in range(8)])
-    out = run(proc, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 1)])
-    assert sorted(r.partition for r in out) == list(range(N)) and all(hdr(r, H.LOCAL) == b"1" for r in out)
-    local = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in out]
-    out = by_topic(run(proc, local))
-    assert len(out["orders.sow"]) == 4
-    assert sum(proc.stores[p].count() for p in proc.stores) == 4
+def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(tmp_path):
+    a, b = two_workers(tmp_path)
+    load(a, b, [{"id": i, "s": "open" if i % 2 else "done"} for i in range(8)])
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 1)])
+    rerouted = [r for r in out if r.topic == "orders.repartition"]
+    assert sorted(r.partition for r in rerouted) == [2, 3] and all(hdr(r, H.LOCAL) == b"1" for r in rerouted)
+    deleted = [r for r in out if r.topic == "orders.sow"]
+    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in rerouted]))
+    assert len(deleted) + len(out["orders.sow"]) == 4
+    assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 4
 
 
 def test_bad_filters_and_internal_headers_are_errors_not_crashes(proc):

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -57,7 +58,7 @@ class Guarantee(str, Enum):
 @dataclass
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
-    batch_max: int = 5000  # inputs applied in one transaction at most
+    batch_max: int = 5000  # messages taken from the consumer per cycle
     max_idle_ms: int = 500  # how long a SOW partition waits for an input that is behind
     expiry_tick_ms: int = 25  # between expiry sweeps
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
@@ -79,6 +80,27 @@ class LoopSettings:
         return settings
 
 
+class _KillSwitch:
+    """Test-only: `KSOW_TEST_KILL_AT=step:n` SIGKILLs the worker the n-th time it reaches a step of
+    the batch cycle (apply, produce, commit, store, sweep), so tests can prove that a crash at any
+    step loses and repeats nothing. Unset, it costs one attribute test per step."""
+
+    def __init__(self, spec: str | None):
+        self.step, _, n = (spec or "").partition(":")
+        self.left = int(n or 1)
+
+    def __call__(self, step: str) -> None:
+        if step == self.step:
+            self.left -= 1
+            if self.left <= 0:
+                log.warning("test kill switch: SIGKILL at %s", step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+_kill = _KillSwitch(os.environ.get("KSOW_TEST_KILL_AT"))
+_KILLS = bool(_kill.step)
+
+
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
 
@@ -91,10 +113,10 @@ class Task:
     p: int
     inputs: tuple[tuple[str, int], ...]  # (topic, partition) of <topic>, <topic>.delta, <topic>.repartition
     queues: tuple[deque, deque, deque] = field(default_factory=lambda: (deque(), deque(), deque()))
-    at_end: list[bool] = field(default_factory=lambda: [False, False, False])
+    at_end: list[bool] = field(default_factory=lambda: [False, False, False])  # caught up (end-of-partition seen)
+    tops: list[int] = field(default_factory=lambda: [0, 0, 0])  # largest timestamp filed per input (its sort time)
     store: PartitionStore | None = None
     restored: bool = False
-    waiting_since: float = 0.0  # monotonic time the merge first had to wait, 0 when it is not waiting
 
     @property
     def name(self) -> tuple[str, int]:
@@ -158,6 +180,7 @@ class SowLoop:
         self.lock = threading.RLock()  # held while stores change: readers (HTTP queries) take it to list them
         self._stop = threading.Event()
         self._next_sweep = 0.0
+        self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
         self.transactional_id = f"ksow-{group}-{instance}"
         self.consumer = make_consumer(
             bootstrap, group,
@@ -260,10 +283,11 @@ class SowLoop:
         now = time.time_ns() // 1_000_000
         out: list[Output] = []
         offsets: dict[tuple[str, int], int] = {}
-        applied = 0
-        for task in list(self.tasks.values()):
-            if task.restored:
-                applied += self._apply(task, now, out, offsets)
+        applied: Counter = Counter()
+        for engine in self.engines.values():
+            n = self._apply(engine, now, out, offsets)
+            if n:
+                applied[engine.spec.topic] += n
         mono = time.monotonic()
         if mono >= self._next_sweep:
             self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
@@ -292,34 +316,46 @@ class SowLoop:
             if found is None:
                 continue  # a partition revoked meanwhile
             task, rank = found
-            task.queues[rank].append((msg.timestamp()[1], rank, msg.offset(), msg))
+            ts = msg.timestamp()[1]
+            top = task.tops[rank]
+            if ts > top:
+                task.tops[rank] = top = ts
+            task.queues[rank].append((top, rank, task.p, msg.offset(), msg))
             task.at_end[rank] = False
 
-    def _apply(self, task: Task, now: int, out: list, offsets: dict) -> int:
-        queues = task.queues
-        if not (queues[0] or queues[1] or queues[2]):
-            task.waiting_since = 0.0
+    def _apply(self, engine: SowTopicEngine, now: int, out: list, offsets: dict) -> int:
+        """Apply, in timestamp order, what can be applied of the inputs of one SOW topic."""
+        tasks = [t for t in self.tasks.values() if t.engine is engine]
+        if not tasks or not all(t.restored for t in tasks):
             return 0
-        behind = [not e for e in task.at_end]
-        force = bool(task.waiting_since) and (time.monotonic() - task.waiting_since) * 1000 >= self.settings.max_idle_ms
+        queues = [q for t in tasks for q in t.queues]
+        if not any(queues):
+            self._waiting_since.pop(engine.spec.topic, None)
+            return 0
+        behind = [not e for t in tasks for e in t.at_end]
+        topic = engine.spec.topic
+        since = self._waiting_since.get(topic)
+        force = since is not None and (time.monotonic() - since) * 1000 >= self.settings.max_idle_ms
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
-        batch = drain_in_order(queues, behind, self.settings.batch_max, force)
-        if any(queues) and any(b and not q for q, b in zip(queues, behind)):
-            task.waiting_since = task.waiting_since or time.monotonic()
+        batch = drain_in_order(queues, behind, force)
+        if any(b and not q for q, b in zip(queues, behind)) and any(queues):
+            self._waiting_since.setdefault(topic, time.monotonic())
         else:
-            task.waiting_since = 0.0
+            self._waiting_since.pop(topic, None)
         if not batch:
             return 0
         inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
         start = len(out)
-        task.engine.handle(inputs, now, out)
-        self._fit(task, out, start)
+        engine.handle(inputs, now, out)
+        self._fit(engine, out, start)
+        if _KILLS:
+            _kill("apply")
         for m in batch:
             offsets[(m.topic(), m.partition())] = m.offset() + 1
         return len(batch)
 
-    def _fit(self, task: Task, out: list, start: int) -> None:
+    def _fit(self, engine: SowTopicEngine, out: list, start: int) -> None:
         """Outputs over the broker's message size cannot be produced: such a message is replaced by an
         `.errors` record saying so (the record it belonged to keeps its state; see README "Limits")."""
         limit = self.settings.max_message_bytes
@@ -329,7 +365,7 @@ class SowLoop:
             if size > limit:
                 reason = f"output of {size} bytes for {o.topic} exceeds the limit of {limit} bytes (KSOW_MAX_MESSAGE_BYTES)".encode()
                 headers = [(k, v) for k, v in o.headers if k not in H.INTERNAL] + [(H.ERROR, reason), (H.ERROR_TOPIC, o.topic.encode())]
-                out[i] = Output(task.engine.streams.errors, None, o.key, (o.value or b"")[: limit // 2], headers)
+                out[i] = Output(engine.streams.errors, None, o.key, (o.value or b"")[: limit // 2], headers)
 
     def _sweep(self, now: int, out: list) -> None:
         """Expire what is due and release conflated view events whose interval ended."""
@@ -339,12 +375,13 @@ class SowLoop:
                 continue
             engine = task.engine
             if engine.spec.expiry.active:
-                engine.expire_due(task.p, now, out, limit)
+                if engine.expire_due(task.p, now, out, limit) and _KILLS:
+                    _kill("sweep")
             if engine.conflates:
                 engine.release_views(task.p, now, out)
 
     # commit ---------------------------------------------------------------------------------
-    def _commit(self, out: list[Output], offsets: dict[tuple[str, int], int], applied: int) -> None:
+    def _commit(self, out: list[Output], offsets: dict[tuple[str, int], int], applied: Counter) -> None:
         producer = self.producer
         positions = _Positions()
         failures = None if self.eos else _Failures()
@@ -353,7 +390,11 @@ class SowLoop:
             if self.eos:
                 producer.begin_transaction()
             produce = producer.produce
-            for o in out:
+            half = len(out) // 2
+            for n, o in enumerate(out):
+                if _KILLS and n == half:
+                    producer.poll(0)
+                    _kill("produce")
                 callback = positions if o.changelog else failures
                 try:
                     produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
@@ -364,6 +405,9 @@ class SowLoop:
                     producer.send_offsets_to_transaction(
                         [TopicPartition(t, p, o) for (t, p), o in offsets.items()], self.consumer.consumer_group_metadata(), 30
                     )
+                if _KILLS:
+                    producer.flush()
+                    _kill("commit")
                 producer.commit_transaction(60)
             else:
                 producer.flush()
@@ -372,6 +416,8 @@ class SowLoop:
         except KafkaException as exc:
             self._recover(exc)
             return
+        if _KILLS:
+            _kill("store")
         with self.lock:
             for task in self.tasks.values():
                 store = task.store
@@ -385,8 +431,10 @@ class SowLoop:
         if not self.eos and offsets:
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
-        metrics.INPUTS.inc(applied)
-        metrics.OUTPUTS.inc(len(out))
+        for topic, n in applied.items():
+            metrics.INPUTS.labels(topic).inc(n)
+        for topic, n in Counter(o.topic for o in out).items():
+            metrics.OUTPUTS.labels(topic).inc(n)
 
     def _produce_when_room(self, o: Output, callback) -> None:
         while True:
@@ -418,6 +466,7 @@ class SowLoop:
                 for q in task.queues:
                     q.clear()
                 task.at_end = [False, False, False]
+                task.tops = [0, 0, 0]
                 task.restored = False  # views' holds and the store are read back before going on
             assigned = self.consumer.assignment()
         if assigned:
@@ -441,7 +490,7 @@ class SowLoop:
             with self.lock:
                 self._restore(task, now, out)
         if out:
-            self._commit(out, {}, 0)
+            self._commit(out, {}, Counter())
 
     def _restore(self, task: Task, now: int, out: list) -> None:
         spec = task.engine.spec
@@ -454,13 +503,13 @@ class SowLoop:
         task.store = store
         task.engine.detach(task.p)  # forget views' holds of an earlier, aborted attempt
         partition = task.engine.attach(task.p, store)
-        if spec.persistence in (Persistence.PERSISTENT, Persistence.MEMORY):
+        if spec.persistence is not Persistence.TRANSIENT:
             count, reseed = self._replay_changelog(task, store)
             log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
             if reseed:
                 partition.reseed(store.records(), out)
-        elif spec.persistence is Persistence.SIMPLE:
-            partition.purge(store.records(), now, out)  # a `simple` SOW does not survive its owner
+            if spec.persistence is Persistence.SIMPLE:
+                partition.purge(store.records(), now, out)  # a `simple` SOW does not survive its owner: `.sow` is told
         if task.engine.conflates:
             self._read_holds(task)
         task.restored = True

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry()
-INPUTS = Counter("ksow_inputs", "Input messages applied", registry=REGISTRY)
-OUTPUTS = Counter("ksow_outputs", "Messages produced", registry=REGISTRY)
+INPUTS = Counter("ksow_inputs", "Input messages applied, by SOW topic", ["topic"], registry=REGISTRY)
+OUTPUTS = Counter("ksow_outputs", "Messages produced, by output topic", ["topic"], registry=REGISTRY)
 BATCH_SECONDS = Histogram(
     "ksow_commit_seconds", "Time to produce a batch's outputs and commit its transaction", registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),

@@ -7,6 +7,7 @@ Queries run in a thread, never on the event loop that serves HTTP.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import orjson
@@ -16,6 +17,8 @@ from processor.core.filters import FilterError
 from processor.kafka.registry import REFRESH_S, announcement
 from processor.query.engine import SowQuery, run_query
 from processor.runners.faust import metrics
+
+CHECK_S = 0.25  # how often the served partitions are compared with the last announcement
 
 if TYPE_CHECKING:
     from processor.runners.faust.worker import WorkerView
@@ -56,8 +59,15 @@ def install_web(worker: "WorkerView", app) -> None:
             metrics.RECORDS.labels(topic).set(sum(store.count() for store in worker.stores(topic)))
         return view.bytes(metrics.exposition(), content_type="text/plain")
 
-    @app.timer(REFRESH_S, name="ksow-registry")
+    last: dict = {"served": None, "at": 0.0}
+
+    @app.timer(CHECK_S, name="ksow-registry")
     async def announce() -> None:
-        served = {topic: worker.served(topic) for topic in worker.topics()}
-        key, value = announcement(worker.group, worker.url, {t: ps for t, ps in served.items() if ps})
-        worker.announce(key, value)
+        """Refresh the registry entry every REFRESH_S, and at once when the partitions served change
+        (clients then find the new owners without waiting)."""
+        served = {t: ps for t in worker.topics() if (ps := worker.served(t))}
+        now = time.monotonic()
+        if served == last["served"] and now - last["at"] < REFRESH_S:
+            return
+        last["served"], last["at"] = served, now
+        worker.announce(*announcement(worker.group, worker.url, served))

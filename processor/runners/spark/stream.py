@@ -1,13 +1,12 @@
 """`ksow up --engine spark`: the SOW maintained by Spark Structured Streaming.
 
 One streaming query per SOW topic: read `<topic>` and `<topic>.delta`, route each input to the SOW
-partition(s) it concerns (a Python UDF over the core's parse_command), then `transformWithState`
+partition(s) it concerns (a Python UDF over the engine's parser), then `transformWithState`
 grouped by SOW partition, with RocksDB state and processing-time timers for expiry. A group holds
-its partition's records in a MapState, as a Faust worker's store holds them, and the
-StatefulProcessor applies that partition's inputs in history order with the core (apply_write /
-removal / render). So it writes the same `.sow`, `.diff`, `EXP.<topic>` / `.dead` and `.errors`
-records as the Faust worker, straight to Kafka; tests/integration/test_conformance.py holds both
-engines to the same output streams.
+its partition's records in a MapState (`SparkState`, the engine's PartitionState), and the
+StatefulProcessor applies that partition's inputs in history order with the same partition engine
+as the Faust worker (processor.engine.partition). So it writes the same `.sow`, `.diff`,
+`EXP.<topic>` / `.dead`, `.errors` and view records, straight to Kafka.
 
 Routing: a publish, delta or delete by data goes to the partition that owns its SowKey
 (`murmur2(SowKey) mod partitions`, as everywhere); a delete by SowKeys to the owners of those keys;
@@ -20,8 +19,9 @@ Differences from the Faust worker, by design of the engine:
   (same records, so the compacted `.sow` is unaffected; `.diff` may repeat events).
 - Expiry runs on processing-time timers, so at most one trigger interval late; and every trigger
   runs a micro-batch even with no input (Spark does so for processing-time timers).
-- Capacity limits (`capacity`, `capacity_policy`) are not enforced by this engine, views are not
-  maintained, and the state lives in the checkpoint whatever the topic's `persistence`.
+- The state lives in the checkpoint whatever the topic's `persistence`; `simple` topics and views
+  with conflation are refused at start (`check_topology`). Capacity eviction scans the partition's
+  state (MapState has no order), so it costs more per eviction than in the Faust worker.
 """
 
 from __future__ import annotations
@@ -31,16 +31,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from processor.contract.types import Command, InputError, Op, SowCommand, SowRecord
-from processor.core.codec import codec_for
-from processor.contract import headers as H
-from processor.core.commands import header_map, parse_command
-from processor.core.expiry import is_due
-from processor.core.filters import FilterError, compile_filter
+from processor.contract.errors import InputError, UnsupportedByEngine
+from processor.contract.types import InputMessage, Output, SowRecord
+from processor.core.filters import FilterError
 from processor.core.keys import owner_partition
-from processor.core.sow import Transition, apply_write, removal, render
-from processor.engine.topic import SEQ_PARTITION_BITS, InputMessage
-from processor.topology import SowTopic, Topology
+from processor.engine.outputs import rejected
+from processor.engine.partition import scan_matching
+from processor.engine.topic import SowTopicEngine
+from processor.topology import Persistence, SowTopic, Topology
 
 log = logging.getLogger("ksow.spark")
 
@@ -50,8 +48,19 @@ RECORD_SCHEMA = "data binary, seq long, expires_at long, updated_at long"  # dat
 DUE_KEY_SCHEMA = "at long"
 DUE_SCHEMA = "keys string"  # the SowKeys due at that instant, comma-separated (no SowKey has a comma)
 COUNTER_SCHEMA = "counter long"
-OUTPUT_SCHEMA = "topic string, key binary, value binary, headers array<struct<key: string, value: binary>>"
+SIZE_SCHEMA = "size long"
+OUTPUT_SCHEMA = "topic string, partition int, key binary, value binary, headers array<struct<key: string, value: binary>>"
 ROUTE_SCHEMA = "array<struct<gkey: string, reason: string>>"
+
+
+def check_topology(topology: Topology) -> None:
+    """Refuse, by name, what this engine cannot do the way the Faust worker does it."""
+    for spec in topology.sow:
+        if spec.persistence is Persistence.SIMPLE:
+            raise UnsupportedByEngine(f"sow[{spec.topic}].persistence: simple is not supported by the spark engine (its state always survives a restart)")
+    for view in topology.views:
+        if view.conflation:
+            raise UnsupportedByEngine(f"views[{view.name}].conflation is not supported by the spark engine (use the faust engine)")
 
 
 def _headers(raw) -> list[tuple[str, bytes | None]]:
@@ -72,12 +81,14 @@ class Router:
     def __init__(self, spec: SowTopic, base: Path | None = None):
         self.spec = spec
         self.base = base
-        self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
+        self._engine: SowTopicEngine | None = None
 
     def __call__(self, topic: str, value, headers) -> list[tuple[str, str | None]]:
-        codec = codec_for(self.spec.message_type.value, self.spec.schema_, self.base)
+        if self._engine is None:  # built on the executor, once per Python worker
+            self._engine = SowTopicEngine(self.spec, self.base)
+        msg = InputMessage(topic, 0, 0, None, None if value is None else bytes(value), _headers(headers), 0)
         try:
-            cmd = parse_command(self.spec.key_spec, codec, self.defaults[topic], None if value is None else bytes(value), header_map(_headers(headers)))
+            cmd, _ = self._engine.parse(msg)
         except (InputError, FilterError) as exc:
             return [(ERRORS_GROUP, str(exc))]
         n = self.spec.partitions
@@ -88,131 +99,125 @@ class Router:
         return [(str(p), None) for p in range(n)]
 
 
-def make_processor(spec: SowTopic, base: Path | None = None):
+class SparkState:
+    """The engine's `PartitionState` over one `transformWithState` group: records in a MapState, an
+    index of expiry instants (each with a processing-time timer), the event counter and the size."""
+
+    def __init__(self, handle, codec, expiring: bool):
+        self.handle = handle
+        self.codec = codec
+        self.expiring = expiring
+        self.records = handle.getMapState("records", KEY_SCHEMA, RECORD_SCHEMA)
+        self.due_index = handle.getMapState("due", DUE_KEY_SCHEMA, DUE_SCHEMA)
+        self._counter = handle.getValueState("counter", COUNTER_SCHEMA)
+        self._size = handle.getValueState("size", SIZE_SCHEMA)
+        self.fired: list[int] = []  # the timer instants being handled (what due() reads)
+
+    def get(self, key: str) -> SowRecord | None:
+        row = self.records.getValue((key,))
+        if row is None:
+            return None
+        data, seq, expires_at, updated_at = row
+        return SowRecord(self.codec.decode(bytes(data)), seq, expires_at, updated_at)
+
+    def put(self, key: str, record: SowRecord) -> None:
+        if not self.records.containsKey((key,)):
+            self._grow(1)
+        self.records.updateValue((key,), (self.codec.encode(record.data), record.seq, record.expires_at, record.updated_at))
+        if self.expiring and record.expires_at is not None:
+            at = record.expires_at
+            entry = self.due_index.getValue((at,))
+            keys = entry[0].split(",") if entry else []
+            if key not in keys:
+                self.due_index.updateValue((at,), (",".join([*keys, key]),))
+            if not entry:
+                self.handle.registerTimer(at)
+
+    def remove(self, key: str) -> None:
+        if self.records.containsKey((key,)):
+            self.records.removeKey((key,))  # a due entry left behind is skipped when it fires
+            self._grow(-1)
+
+    def _grow(self, by: int) -> None:
+        self._size.update((self.size() + by,))
+
+    def size(self) -> int:
+        return self._size.get()[0] if self._size.exists() else 0
+
+    def _all(self):
+        for (key,), (data, seq, expires_at, updated_at) in self.records.iterator():
+            yield key, SowRecord(self.codec.decode(bytes(data)), seq, expires_at, updated_at)
+
+    def matching(self, predicate):
+        return scan_matching(lambda: iter(list(self._all())), predicate)
+
+    def due(self, now_ms: int):
+        for at in sorted(self.fired):
+            if at > now_ms:
+                break
+            entry = self.due_index.getValue((at,))
+            self.due_index.removeKey((at,))
+            for key in entry[0].split(",") if entry else ():
+                yield at, key
+
+    def least_recently_updated(self):
+        return iter(sorted(self._all(), key=lambda item: item[1].updated_at))  # a scan: capacity is costly here
+
+    def counter(self) -> int:
+        return self._counter.get()[0] if self._counter.exists() else 0
+
+    def set_counter(self, value: int) -> None:
+        self._counter.update((value,))
+
+
+def make_processor(spec: SowTopic, views=(), base: Path | None = None):
     """The StatefulProcessor class for one SOW topic (built lazily: pyspark is optional). `base`
     is the folder a relative Avro schema path is relative to (as for the Faust worker)."""
     from pyspark.sql import Row
     from pyspark.sql.streaming import StatefulProcessor
 
-    codec = codec_for(spec.message_type.value, spec.schema_, base)
-    policy = spec.expiry
-    key_paths = spec.key_spec.split
-    defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
-    streams = {"sow": spec.sow_topic, "diff": spec.diff_topic, "expired": spec.expired_topic, "dead": spec.dead_topic}
-
-    def out_rows(t: Transition) -> Iterator[Any]:
-        for event in render(t, codec, spec.expired_topic is not None):
-            yield Row(topic=streams[event.stream], key=event.key, value=event.value, headers=[Row(key=k, value=v) for k, v in event.headers])
+    def rows(out: list[Output]) -> Iterator[Any]:
+        for o in out:
+            yield Row(topic=o.topic, partition=o.partition, key=o.key, value=o.value, headers=[Row(key=k, value=v) for k, v in o.headers])
 
     class Processor(StatefulProcessor):
-        """One SOW partition: its records, an index of their expiry instants, its event counter."""
+        """One SOW partition, applied by the engine over SparkState."""
 
         def init(self, handle) -> None:
-            self.handle = handle
-            self.records = handle.getMapState("records", KEY_SCHEMA, RECORD_SCHEMA)
-            self.due = handle.getMapState("due", DUE_KEY_SCHEMA, DUE_SCHEMA)
-            self.counter = handle.getValueState("counter", COUNTER_SCHEMA)
+            self.engine = SowTopicEngine(spec, base, views)
+            self.state = SparkState(handle, self.engine.codec, spec.expiry.active)
 
-        # state -----------------------------------------------------------------------------
-        def _get(self, key: str) -> SowRecord | None:
-            row = self.records.getValue((key,))
-            if row is None:
-                return None
-            data, seq, expires_at, updated_at = row
-            return SowRecord(codec.decode(bytes(data)), seq, expires_at, updated_at)
-
-        def _put(self, key: str, after: SowRecord | None) -> None:
-            if after is None:
-                self.records.removeKey((key,))  # a due entry left behind is skipped when it fires
-                return
-            self.records.updateValue((key,), (codec.encode(after.data), after.seq, after.expires_at, after.updated_at))
-            if policy.active and after.expires_at is not None:
-                at = after.expires_at
-                entry = self.due.getValue((at,))
-                keys = entry[0].split(",") if entry else []
-                if key not in keys:
-                    self.due.updateValue((at,), (",".join([*keys, key]),))
-                if not entry:
-                    self.handle.registerTimer(at)
-
-        def _seq(self, p: int, now: int) -> int:
-            """As the worker's: a clock-floored counter per partition << 10 | partition."""
-            last = self.counter.get()[0] if self.counter.exists() else 0
-            counter = max(last + 1, now * 1000)
-            self.counter.update((counter,))
-            return (counter << SEQ_PARTITION_BITS) | p
-
-        # inputs ----------------------------------------------------------------------------
-        def handleInputRows(self, key, rows, timerValues) -> Iterator[Any]:
+        def handleInputRows(self, key, rows_in, timerValues) -> Iterator[Any]:
             (gkey,) = key
             now = timerValues.getCurrentProcessingTimeInMs()
-            ordered = sorted(rows, key=lambda r: (r["ts"], r["rank"], r["partition"], r["offset"]))
+            ordered = sorted(rows_in, key=lambda r: (r["ts"], r["rank"], r["partition"], r["offset"]))
+            out: list[Output] = []
             if gkey == ERRORS_GROUP:
                 for row in ordered:
-                    yield self._error(row)
-                return
+                    out.append(rejected(message(row), row["reason"], self.engine.streams))
+                return rows(out)
             p = int(gkey)
+            partition = self.engine.attach(p, self.state)
             for row in ordered:
-                yield from self._apply(p, message(row), now)
+                msg = message(row)
+                try:
+                    cmd, _ = self.engine.parse(msg)
+                    partition.apply(cmd, msg.timestamp or now, now, out)
+                except InputError as exc:  # refused by the partition (capacity_policy: reject)
+                    out.append(rejected(msg, str(exc), self.engine.streams))
+            return rows(out)
 
-        def _apply(self, p: int, msg: InputMessage, now: int) -> Iterator[Any]:
-            cmd = parse_command(spec.key_spec, codec, defaults[msg.topic], msg.value, header_map(msg.headers))
-            if cmd.command is Command.SOW_DELETE:
-                yield from self._delete(p, cmd, now)
-                return
-            key = cmd.sow_key
-            assert key is not None
-            before = self._get(key)
-            if before is not None and policy.active and is_due(before.expires_at, now):
-                self._put(key, None)
-                yield from out_rows(removal(Op.EXPIRE, key, before, now, self._seq(p, now)))
-                before = None
-            t = apply_write(key, before, cmd, policy, key_paths, msg.timestamp or now, self._seq(p, now))
-            self._put(key, t.after)
-            yield from out_rows(t)
-
-        def _delete(self, p: int, cmd: SowCommand, now: int) -> Iterator[Any]:
-            n = spec.partitions
-            if cmd.sow_key is not None:
-                keys: list[str] = [cmd.sow_key]
-            elif cmd.keys:
-                keys = [k for k in cmd.keys if owner_partition(k, n) == p]
-            else:
-                predicate = compile_filter(cmd.filter or "1=1")
-                keys = [k for (k,), (data, *_) in self.records.iterator() if predicate.matches(codec.decode(bytes(data)))]
-            for key in keys:
-                before = self._get(key)
-                if before is None:
-                    continue
-                # A record whose instant has passed was gone before the delete came: it expires.
-                op = Op.EXPIRE if policy.active and is_due(before.expires_at, now) else Op.DELETE
-                self._put(key, None)
-                yield from out_rows(removal(op, key, before, now, self._seq(p, now)))
-
-        def _error(self, row) -> Any:
-            headers = [Row(key=k, value=v) for k, v in _headers(row["headers"])]
-            headers += [
-                Row(key=H.ERROR, value=row["reason"].encode()),
-                Row(key=H.ERROR_TOPIC, value=row["topic"].encode()),
-                Row(key=H.ERROR_PARTITION, value=str(row["partition"]).encode()),
-                Row(key=H.ERROR_OFFSET, value=str(row["offset"]).encode()),
-            ]
-            return Row(topic=spec.errors_topic, key=row["kafka_key"], value=row["value"], headers=headers)
-
-        # expiry ----------------------------------------------------------------------------
         def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Any]:
             (gkey,) = key
-            p = int(gkey)
             at = expiredTimerInfo.getExpiryTimeInMs()
-            entry = self.due.getValue((at,))
-            self.due.removeKey((at,))
             now = max(at, timerValues.getCurrentProcessingTimeInMs())
-            for k in entry[0].split(",") if entry else ():
-                record = self._get(k)
-                if record is None or record.expires_at != at:
-                    continue  # updated or deleted since
-                self._put(k, None)
-                yield from out_rows(removal(Op.EXPIRE, k, record, now, self._seq(p, now)))
+            out: list[Output] = []
+            self.state.fired = [at]
+            try:
+                self.engine.attach(int(gkey), self.state).expire_due(now, out)
+            finally:
+                self.state.fired = []
+            return rows(out)
 
         def close(self) -> None:
             pass
@@ -220,7 +225,8 @@ def make_processor(spec: SowTopic, base: Path | None = None):
     return Processor
 
 
-def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Path, trigger: str = "1 second", starting_offsets: str = "earliest", base: Path | None = None):
+def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Path, trigger: str = "1 second", starting_offsets: str = "earliest",
+                base: Path | None = None, views=()):
     """Start the streaming query that maintains one SOW topic; returns the StreamingQuery."""
     from pyspark.sql import functions as F
 
@@ -244,7 +250,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
         F.explode(route("topic", "value", "headers")).alias("route"),
     ).select("*", "route.gkey", "route.reason").drop("route")
     outputs = inputs.groupBy("gkey").transformWithState(
-        statefulProcessor=make_processor(spec, base)(),
+        statefulProcessor=make_processor(spec, views, base)(),
         outputStructType=OUTPUT_SCHEMA,
         outputMode="Update",
         timeMode="ProcessingTime",
@@ -283,11 +289,12 @@ def run_stream(
     from processor.kafka.clients import ensure_topics, topic_configs
     from processor.batch.session import get_spark
 
+    check_topology(topology)
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for spec in topology.sow:
-        ensure_topics(admin, topic_configs(spec))
+        ensure_topics(admin, topic_configs(spec, topology.views_of(spec.topic)))
     spark = get_spark(master, "ksow-stream", conf)
-    queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger, base=topology_dir) for spec in topology.sow]
+    queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger, base=topology_dir, views=topology.views_of(spec.topic)) for spec in topology.sow]
     log.info("spark streaming: %d SOW topics, checkpoints in %s", len(queries), checkpoint_dir)
     if not block:
         return spark, queries
