@@ -74,7 +74,8 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
 
 
 def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:
-    """The `.errors` record of an input that could not be applied: its original bytes and the reason."""
+    """The `.errors` record of an input that could not be applied: its original bytes and the reason,
+    in the partition of the input (so it belongs to the same owner's transactions)."""
     headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL]
     headers += [
         (H.ERROR, reason.encode()),
@@ -82,4 +83,4 @@ def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:
         (H.ERROR_PARTITION, b"%d" % msg.partition),
         (H.ERROR_OFFSET, b"%d" % msg.offset),
     ]
-    return Output(streams.errors, None, msg.key, msg.value, headers)
+    return Output(streams.errors, msg.partition, msg.key, msg.value, headers)

@@ -80,25 +80,32 @@ class LoopSettings:
         return settings
 
 
-class _KillSwitch:
+class _TestSwitch:
     """Test-only: `KSOW_TEST_KILL_AT=step:n` SIGKILLs the worker the n-th time it reaches a step of
-    the batch cycle (apply, produce, commit, store, sweep), so tests can prove that a crash at any
-    step loses and repeats nothing. Unset, it costs one attribute test per step."""
+    the batch cycle (apply, produce, commit, store, sweep), and `KSOW_TEST_STOP_AT=step:n` SIGSTOPs
+    it there (a zombie to be), so tests can prove that no crash or stall loses or repeats anything.
+    Unset, a step costs one test of a module constant."""
 
-    def __init__(self, spec: str | None):
+    def __init__(self, spec: str | None, sig: int):
         self.step, _, n = (spec or "").partition(":")
         self.left = int(n or 1)
+        self.sig = sig
 
     def __call__(self, step: str) -> None:
         if step == self.step:
             self.left -= 1
-            if self.left <= 0:
-                log.warning("test kill switch: SIGKILL at %s", step)
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.left == 0:
+                log.warning("test switch: signal %d at %s", self.sig, step)
+                os.kill(os.getpid(), self.sig)
 
 
-_kill = _KillSwitch(os.environ.get("KSOW_TEST_KILL_AT"))
-_KILLS = bool(_kill.step)
+_SWITCHES = [s for s in (_TestSwitch(os.environ.get("KSOW_TEST_KILL_AT"), signal.SIGKILL), _TestSwitch(os.environ.get("KSOW_TEST_STOP_AT"), signal.SIGSTOP)) if s.step]
+_KILLS = bool(_SWITCHES)
+
+
+def _kill(step: str) -> None:
+    for switch in _SWITCHES:
+        switch(step)
 
 
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
@@ -243,7 +250,12 @@ class SowLoop:
 
     # rebalances (called by librdkafka inside consume(), on this thread) ----------------------
     def _on_assign(self, consumer, partitions) -> None:
+        """Take the partitions from their committed offsets, once their previous owner is done: its
+        last transaction may still be open (a stalled worker), and then the offsets it is committing
+        are not known yet. Waiting for it to end (committed, or aborted by the coordinator after its
+        transaction timeout) keeps a late commit from being applied twice."""
         with self.lock:
+            new_tasks = []
             for tp in partitions:
                 owner = self._by_input.get(tp.topic)
                 if owner is None:
@@ -254,8 +266,33 @@ class SowLoop:
                 if task is None:
                     spec = engine.spec
                     task = self.tasks[name] = Task(engine, tp.partition, ((spec.topic, tp.partition), (spec.delta_topic, tp.partition), (spec.repartition_topic, tp.partition)))
+                    new_tasks.append(task)
                 self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
-        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        self._await_previous_owner(new_tasks)
+        committed = consumer.committed(partitions, 60) if partitions else []
+        consumer.assign(committed)
+        log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in committed))
+
+    def _await_previous_owner(self, tasks: list[Task]) -> None:
+        """Wait until no transaction is open on the outputs of these SOW partitions (a read_committed
+        end offset below the log end means one is)."""
+        if not tasks or not self.eos:
+            return
+        committed = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
+        uncommitted = make_consumer(self.bootstrap, **{"isolation.level": "read_uncommitted"})
+        deadline = time.monotonic() + int(os.environ.get("KSOW_TRANSACTION_TIMEOUT_MS", 10000)) / 1000 + 30
+        try:
+            for task in tasks:
+                for topic in (task.engine.spec.sow_topic, task.engine.spec.diff_topic):
+                    tp = TopicPartition(topic, task.p)
+                    while committed.get_watermark_offsets(tp, timeout=10)[1] < uncommitted.get_watermark_offsets(tp, timeout=10)[1]:
+                        if time.monotonic() > deadline:
+                            log.warning("%s[%d] still has an open transaction: going on", topic, task.p)
+                            break
+                        time.sleep(0.2)
+        finally:
+            committed.close()
+            uncommitted.close()
 
     def _on_revoke(self, consumer, partitions) -> None:
         """Nothing is in flight here (a transaction never spans consume()): forget the partitions.
@@ -482,8 +519,6 @@ class SowLoop:
         pending = [t for t in self.tasks.values() if not t.restored]
         if not pending:
             return
-        # Waits until no transaction of an earlier owner is still open on these inputs (KIP-447).
-        self.consumer.committed([TopicPartition(t, p) for task in pending for (t, p) in task.inputs], 60)
         out: list[Output] = []
         now = time.time_ns() // 1_000_000
         for task in pending:

@@ -1,0 +1,264 @@
+"""The worker loop on a real broker: inputs applied in the order sent, every output exactly once for
+`read_committed` readers across crashes at every step of the batch cycle, and a stalled worker
+(a zombie) that cannot write once another took its partitions.
+
+The model is the reference fold (processor.engine.fold) over the inputs as Kafka holds them: the same
+partition engine, so what these tests check is the loop: order, transactions, restore and fencing.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections import defaultdict
+
+import orjson
+import pytest
+import yaml
+from confluent_kafka import Producer
+
+from processor.contract import headers as H
+from processor.contract.types import InputMessage
+from processor.engine.fold import SowFold, in_order
+from processor.engine.outputs import Streams, render
+from processor.kafka.clients import ensure_topics, make_admin, topic_configs
+from processor.testing import WorkerProcess, read_topic, wait_until
+from processor.topology import load_topology
+
+pytestmark = pytest.mark.integration
+
+P = 4
+
+
+def topology_file(tmp_path, name, **extra):
+    views = extra.pop("views", [])
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"sow": [{"topic": name, "key": ["/id"], "partitions": P, **extra}], "views": views}))
+    return path, load_topology(path).sow[0]
+
+
+def inputs_of(bootstrap, spec) -> list[InputMessage]:
+    out = []
+    for topic in (spec.topic, spec.delta_topic):
+        for m in read_topic(bootstrap, topic, range(P)):
+            out.append(InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]))
+    return in_order(spec, out)
+
+
+def expected_events(spec, inputs, now) -> tuple[dict, dict]:
+    """Per SowKey, the (topic, op, value, expires-at) sequence the model emits; and its final SOW."""
+    fold = SowFold(spec, transitions=True)
+    streams = Streams.of(spec)
+    outputs: list = []
+    for msg in inputs:
+        for t in fold.apply(msg):
+            render(t, 0, fold.codec, streams, outputs)
+    for t in fold.expire_until(now):
+        render(t, 0, fold.codec, streams, outputs)
+    per_key: dict = defaultdict(list)
+    for o in outputs:
+        hs = dict(o.headers)
+        per_key[o.key].append((o.topic, hs[H.OP].decode(), o.value, hs.get(H.EXPIRES_AT)))
+    return dict(per_key), {k: r.data for k, r in fold.records.items()}
+
+
+def actual_events(bootstrap, spec) -> tuple[dict, list]:
+    """Per SowKey, what the derived topics hold for read_committed readers, in offset order per topic
+    (a record's events are all in its partition); and every sow-seq seen on `.diff`."""
+    per_key: dict = defaultdict(list)
+    seqs = []
+    topics = [spec.sow_topic, spec.diff_topic, spec.expired_topic or spec.dead_topic, spec.dead_topic]
+    for topic in dict.fromkeys(topics):
+        for m in read_topic(bootstrap, topic, range(P)):
+            hs = dict(m.headers() or [])
+            per_key[m.key()].append((topic, hs[H.OP].decode(), m.value(), hs.get(H.EXPIRES_AT)))
+            if topic == spec.diff_topic:
+                seqs.append(int(hs[H.SEQ]))
+    return dict(per_key), seqs
+
+
+def by_topic_order(events: dict, spec) -> dict:
+    """Events per key grouped by topic (the test reads topic after topic; the model emits interleaved)."""
+    rank = {t: i for i, t in enumerate(dict.fromkeys([spec.sow_topic, spec.diff_topic, spec.expired_topic or spec.dead_topic, spec.dead_topic]))}
+    return {k: sorted(v, key=lambda e: rank[e[0]]) for k, v in events.items()}
+
+
+def assert_exactly_once(bootstrap, spec):
+    inputs = inputs_of(bootstrap, spec)
+    expected, final = expected_events(spec, inputs, int(time.time() * 1000))
+    actual, seqs = actual_events(bootstrap, spec)
+    assert len(seqs) == len(set(seqs)), "an event ID appears twice on .diff"
+    exp, act = by_topic_order(expected, spec), by_topic_order(actual, spec)
+    missing = {k: v for k, v in exp.items() if act.get(k) != v}
+    assert not missing, f"{len(missing)} records whose outputs differ from the model, e.g. {next(iter(missing.items()))} vs {act.get(next(iter(missing)))}"
+    assert set(act) == set(exp)
+    folded = {}
+    for m in read_topic(bootstrap, spec.sow_topic, range(P)):
+        if m.value() is None:
+            folded.pop(m.key().decode(), None)
+        else:
+            folded[m.key().decode()] = orjson.loads(m.value())
+    assert folded == final
+
+
+class Stream:
+    """Every operation, sent in rounds: publishes (some with lifetimes), nested deltas on `<topic>` and
+    `<topic>.delta`, deletes by data, by SowKeys and by filter, and inputs with no key field."""
+
+    def __init__(self, bootstrap, spec, seed):
+        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, "enable.idempotence": True})
+        self.spec = spec
+        self.rnd = random.Random(seed)
+
+    def send(self, record, topic=None, headers=None, value=None):
+        raw = value if value is not None else orjson.dumps(record)
+        key = None
+        if record is not None and "id" in record:
+            key = self.spec.key_spec.sow_key(record).encode()
+        self.producer.produce(topic or self.spec.topic, raw, key, headers=headers or [])
+
+    def round(self, r: int) -> None:
+        rnd = self.rnd
+        for i in range(40):
+            if r == 0:
+                lifetime = [(H.EXPIRATION, b"1500ms")] if i >= 34 else []
+                self.send({"id": i, "grp": "f" if 28 <= i < 31 else "g", "n": {"a": i, "b": 0}, "v": 0}, headers=lifetime)
+            elif i < 28:
+                delta = {"id": i, "n": {"b": rnd.randint(0, 9)}, "v": r}
+                if rnd.random() < 0.5:
+                    self.send(delta, self.spec.delta_topic)
+                else:
+                    self.send(delta, headers=[(H.COMMAND, b"delta_publish")])
+        if r == 2:
+            self.send({"id": 25}, headers=[(H.COMMAND, b"sow_delete")])
+            keys = ",".join(self.spec.key_spec.sow_key({"id": i}) for i in (26, 27))
+            self.send(None, headers=[(H.COMMAND, b"sow_delete"), (H.KEYS, keys.encode())], value=b"")
+            self.send(None, headers=[(H.COMMAND, b"sow_delete"), (H.FILTER, b"/grp = 'f'")], value=b"")
+            self.send(None, value=b'{"no_id": true}')
+        self.producer.flush(30)
+
+
+def run_stream(stream, rounds=5, pause=0.6):
+    for r in range(rounds):
+        stream.round(r)
+        time.sleep(pause)
+
+
+def wait_settled(bootstrap, spec, timeout=90):
+    """Until `.diff` has stopped growing for a few seconds (the worker applied all it will)."""
+    last = [-1, time.monotonic()]
+
+    def check():
+        n = len(read_topic(bootstrap, spec.diff_topic, range(P)))
+        if n != last[0]:
+            last[0], last[1] = n, time.monotonic()
+            return False
+        return time.monotonic() - last[1] > 4
+
+    wait_until(check, timeout, "outputs settled", interval=1)
+
+
+@pytest.mark.parametrize("step", ["apply", "produce", "commit", "store", "sweep"])
+def test_a_crash_at_any_step_loses_and_repeats_nothing(kafka_bootstrap, unique_name, tmp_path, step):
+    path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
+    group = f"g-{unique_name}"
+    kill_at = f"{step}:{1 if step == 'sweep' else 3}"
+    worker = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", "w1", env={"KSOW_TEST_KILL_AT": kill_at}).start()
+    stream = Stream(kafka_bootstrap, spec, seed=hash(step) % 1000)
+    run_stream(stream)
+    wait_until(lambda: worker.proc.poll() is not None, 60, f"the kill at {kill_at}")
+    assert "test switch" in worker.log()
+    again = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", "w2").start()
+    try:
+        wait_settled(kafka_bootstrap, spec)
+        time.sleep(2)  # the lifetimes of 1.5 s have run out and been swept
+        wait_settled(kafka_bootstrap, spec)
+        assert_exactly_once(kafka_bootstrap, spec)
+    finally:
+        again.kill()
+
+
+def test_random_kills_over_every_operation(kafka_bootstrap, unique_name, tmp_path):
+    path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
+    group = f"g-{unique_name}"
+    rnd = random.Random(11)
+    stream = Stream(kafka_bootstrap, spec, seed=5)
+    for r in range(6):
+        worker = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", f"w{r}").start()
+        stream.round(r % 5)
+        time.sleep(rnd.uniform(0.2, 1.5))
+        worker.kill()
+    last = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", "last").start()
+    try:
+        wait_settled(kafka_bootstrap, spec)
+        time.sleep(2)
+        wait_settled(kafka_bootstrap, spec)
+        assert_exactly_once(kafka_bootstrap, spec)
+    finally:
+        last.kill()
+
+
+def test_inputs_apply_in_timestamp_order_across_topics_and_repartitioning(kafka_bootstrap, unique_name, tmp_path):
+    """Full publishes on `<topic>` and deltas on `<topic>.delta`, Kafka timestamps 1 ms apart, in both
+    orders; half of the inputs carry a Kafka key that puts them on the wrong partition, so they are
+    rerouted. Topics created by the user with Kafka's defaults (CreateTime): the publisher's
+    timestamps decide the order."""
+    path, spec = topology_file(tmp_path, unique_name)
+    ensure_topics(make_admin(kafka_bootstrap), {t: (n, {k: v for k, v in cfg.items() if k != "message.timestamp.type"}) for t, (n, cfg) in topic_configs(spec).items()})
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 20})
+    base = int(time.time() * 1000) - 60_000
+    for i in range(400):
+        key = spec.key_spec.sow_key({"id": i}).encode()
+        wrong = str(i).encode() if i % 2 else key  # a Kafka key that is not the SowKey: rerouted
+        t = base + i * 10
+        full = orjson.dumps({"id": i, "status": "new", "qty": i})
+        delta = orjson.dumps({"id": i, "status": "filled"})
+        if i < 200:  # full, then a delta 1 ms later: the delta wins; sent delta first to make it hard
+            producer.produce(spec.delta_topic, delta, key, timestamp=t + 1)
+            producer.produce(spec.topic, full, wrong, timestamp=t)
+        else:  # a delta, then a full replace 1 ms later: the full record wins
+            producer.produce(spec.topic, full, wrong, timestamp=t + 1)
+            producer.produce(spec.delta_topic, delta, key, timestamp=t)
+    producer.flush(30)
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        wait_until(lambda: len(read_topic(kafka_bootstrap, spec.diff_topic, range(P))) >= 800, 90, "800 changes")
+        sow = {}
+        for m in read_topic(kafka_bootstrap, spec.sow_topic, range(P)):
+            sow[m.key().decode()] = orjson.loads(m.value())
+        wrong = {k: v for k, v in sow.items() if v != ({"id": v["id"], "status": "filled", "qty": v["id"]} if v["id"] < 200 else {"id": v["id"], "status": "new", "qty": v["id"]})}
+        assert len(sow) == 400 and not wrong, f"{len(wrong)} records applied out of order, e.g. {list(wrong.values())[:3]}"
+        _, final = expected_events(spec, inputs_of(kafka_bootstrap, spec), base + 10_000)
+        assert sow == final
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize("step", ["apply", "commit"])
+def test_a_stalled_worker_cannot_write_after_its_partitions_moved(kafka_bootstrap, unique_name, tmp_path, step):
+    """SIGSTOP a worker in the middle of a batch (outputs produced, transaction open) for longer than
+    its session timeout; another worker takes its partitions and goes on; SIGCONT it: none of its
+    writes becomes visible, and every output is there exactly once."""
+    path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
+    group = f"g-{unique_name}"
+    env = {"KSOW_SESSION_TIMEOUT_MS": "6000"}
+    zombie = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "z", "zombie", env={**env, "KSOW_TEST_STOP_AT": f"{step}:2"}).start()
+    stream = Stream(kafka_bootstrap, spec, seed=3)
+    stream.round(0)
+    stream.round(1)
+    wait_until(lambda: "test switch" in zombie.log(), 60, "the zombie stopped")
+    heir = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "h", "heir", env=env).start()
+    try:
+        wait_until(lambda: "restored" in heir.log(), 60, "the heir took the partitions")
+        for r in range(2, 5):
+            stream.round(r)
+        wait_settled(kafka_bootstrap, spec)
+        zombie.signal(signal.SIGCONT)
+        wait_until(lambda: "batch not committed" in zombie.log() or zombie.proc.poll() is not None, 60, "the zombie found it was fenced")
+        time.sleep(3)
+        wait_settled(kafka_bootstrap, spec)
+        assert_exactly_once(kafka_bootstrap, spec)
+    finally:
+        zombie.kill()
+        heir.kill()
