@@ -67,8 +67,17 @@ class IndexSpec:
         return tuple(tuple(split_path(p) for p in index) for index in self.hash_indexes)
 
 
+def _instant(expires_at: int) -> int:
+    """An expiry instant as stored: clamped to [0, 2**63 - 1] (due at once / never, in practice).
+
+    Inputs cannot produce one outside (durations are bounded at parse time), but a record restored
+    from a changelog someone else wrote can: a commit must not fail on any record, and the record
+    header (signed 64 bits) and the expiry index key (unsigned) must agree on the value."""
+    return min(max(expires_at, 0), 2**63 - 1)
+
+
 def encode_record(record: SowRecord) -> bytes:
-    expires = _NO_EXPIRY if record.expires_at is None else record.expires_at
+    expires = _NO_EXPIRY if record.expires_at is None else _instant(record.expires_at)
     return _HEADER.pack(record.seq, expires, record.updated_at) + orjson.dumps(record.data)
 
 
@@ -250,8 +259,8 @@ class PartitionStore:
                 writes[_REC + kb] = encode_record(after)
                 self._index(writes, kb, after)
                 count += 1
-                if after.expires_at is not None and after.expires_at < self._due_from:
-                    self._due_from = after.expires_at
+                if after.expires_at is not None and _instant(after.expires_at) < self._due_from:
+                    self._due_from = _instant(after.expires_at)
             else:
                 writes[_REC + kb] = None
         self._meta["count"] = count
@@ -268,7 +277,7 @@ class PartitionStore:
 
     def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
         if record.expires_at is not None:
-            yield _EXP + _BE64.pack(record.expires_at) + kb
+            yield _EXP + _BE64.pack(_instant(record.expires_at)) + kb
         if self.indexes.track_age:
             yield _AGE + _BE64.pack(record.updated_at) + kb
         for no, paths in enumerate(self.indexes.split):
