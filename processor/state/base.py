@@ -147,18 +147,22 @@ class PartitionStore:
             if record is not None:
                 yield key, record
 
-    def select(self, predicate, raw_check=None) -> tuple[list[tuple[str, SowRecord]], int]:
+    def select(self, predicate, raw_check=None, check_every: int = 0, check=None) -> tuple[list[tuple[str, SowRecord]], int]:
         """Committed records whose data satisfies `predicate`, and how many were read: the scan path
         of queries, kept to one loop that decodes only the fields and builds records for matches.
 
         `raw_check(stored bytes)`, when given, is a necessary condition for `predicate` (see
         processor.core.rawfilter): records it rejects are not decoded. It is dropped after the
         first `PROBE` records if it rejected too few of them to pay for itself.
+        `check(matched so far)`, when given, is called every `check_every` records read (a power
+        of two) and may raise to end the scan: a query's row and time limits.
         """
         loads, size, decode = orjson.loads, _HEADER.size, decode_record
         out: list[tuple[str, SowRecord]] = []
         append = out.append
         items = iter(self.backend.scan(_REC, _REC + _END))
+        if check is not None:
+            items = _checked(items, check_every - 1, check, out)
         read = 0
         if raw_check is not None:
             rejected = 0
@@ -302,6 +306,15 @@ class PartitionStore:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _checked(items: Iterator, mask: int, check, out: list) -> Iterator:
+    """`items`, calling check(len(out)) every mask + 1 of them (mask: a power of two minus one)."""
+    for n, item in enumerate(items):
+        if n & mask == 0:
+            check(len(out))
+        yield item
+    check(len(out))
 
 
 def open_partition_store(kind: str, path: str | None, indexes: IndexSpec) -> PartitionStore:
