@@ -8,6 +8,7 @@ ignore entries older than STALE_MS, which covers workers that died without sayin
 from __future__ import annotations
 
 import logging
+import os
 import time
 from urllib.parse import urlsplit
 
@@ -18,7 +19,8 @@ from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, r
 
 log = logging.getLogger("ksow.registry")
 
-REGISTRY_TOPIC = "__ksow_workers"
+# One per cluster; KSOW_REGISTRY_TOPIC gives a deployment (or a test run) a registry of its own.
+REGISTRY_TOPIC = os.environ.get("KSOW_REGISTRY_TOPIC") or "__ksow_workers"
 REFRESH_S = 3.0
 STALE_MS = 12_000
 
