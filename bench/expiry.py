@@ -68,7 +68,7 @@ def lateness(bootstrap: str, topic: str) -> list[int]:
 
         consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
         out = []
-        for msg in read_until(consumer, ends, timeout=600):
+        for msg in read_until(consumer, ends):
             h = dict(msg.headers())
             out.append(int(h["sow-actual-expiry"]) - int(h["sow-expires-at"]))
         return out

@@ -156,7 +156,7 @@ def loop_snapshot(bootstrap: str, spec: SowTopic, as_of: int) -> tuple[dict, dic
     consumer.assign([TopicPartition(t, p, 0) for (t, p) in ends])
     messages = [
         InputMessage(m.topic(), m.partition(), m.offset(), None, m.value(), m.headers(), m.timestamp()[1])
-        for m in read_until(consumer, ends, timeout=1800)
+        for m in read_until(consumer, ends)
     ]
     consumer.close()
     stages["read"] = time.perf_counter() - began

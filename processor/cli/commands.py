@@ -24,11 +24,11 @@ def _fail(message: str) -> None:
     raise click.ClickException(message)
 
 
-def _client(bootstrap: str | None, topology: str | None, group: str | None = None):
+def _client(bootstrap: str | None, topology: str | None, group: str | None = None, web_token: str | None = None):
     from processor.client.sow_client import Client, ClientError
 
     try:
-        return Client(bootstrap, topology, group)
+        return Client(bootstrap, topology, group, web_token)
     except (ClientError, TopologyError) as exc:
         _fail(str(exc))
 
@@ -49,6 +49,7 @@ def _client_errors():
 
 
 GROUP = click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group of the workers to ask.")
+WEB_TOKEN = click.option("--web-token", envvar="KSOW_WEB_TOKEN", default=None, help="Bearer token the workers' HTTP endpoints require.")
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -84,8 +85,7 @@ def _bootstrap_or_embedded(bootstrap: str | None):
         yield kafka.bootstrap
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web_port: int | None, web_host: str | None = None,
-            guarantee: str | None = None):
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None):
     from processor.runners.faust.loop import Guarantee, LoopSettings
     from processor.runners.faust.worker import SowWorker
 
@@ -95,19 +95,39 @@ def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | No
         _fail(str(exc))
     topology_dir = Path(topology).resolve().parent.parent if topology else None
     settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None)
-    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, web_port=web_port, topology_dir=topology_dir,
-                     web_host=web_host, settings=settings)
+    return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
+                     settings=settings, web=web)
 
 
 WORKER_OPTIONS = [
     click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group (and Faust app id) of the workers."),
     click.option("--data-dir", envvar="KSOW_DATA_DIR", default=None, help="Folder for this worker's RocksDB stores."),
     click.option("--web-port", type=int, default=None, help="Port of this worker's HTTP endpoint (default: a free one)."),
-    click.option("--web-host", envvar="KSOW_WEB_HOST", default=None, help="Host name clients use to reach this worker (default 127.0.0.1)."),
+    click.option("--web-host", envvar="KSOW_WEB_HOST", default=None, help="Host name clients use to reach this worker, and the address bound (default 127.0.0.1)."),
+    click.option("--web-bind", envvar="KSOW_WEB_BIND", default=None, help="Address to listen on when it differs from --web-host (e.g. 0.0.0.0 in a container)."),
+    click.option("--web-token", envvar="KSOW_WEB_TOKEN", default=None, help="Bearer token every HTTP request must carry."),
+    click.option("--web-cert", envvar="KSOW_WEB_CERT", default=None, type=click.Path(dir_okay=False), help="PEM certificate (chain): serve HTTPS."),
+    click.option("--web-key", envvar="KSOW_WEB_KEY", default=None, type=click.Path(dir_okay=False), help="PEM private key of --web-cert."),
     click.option("--processing-guarantee", "guarantee", envvar="KSOW_PROCESSING_GUARANTEE", type=click.Choice(["exactly_once", "at_least_once"]),
                  default="exactly_once", show_default=True,
                  help="exactly_once: outputs and input offsets commit in one Kafka transaction; at_least_once: no transactions."),
 ]
+
+
+def _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key):
+    """The worker's HTTP settings, checked now (exit 1 on a bad one, before anything starts)."""
+    from processor.contract.errors import ConfigError
+    from processor.contract.limits import check_environment
+    from processor.runners.faust.web import WebSettings
+    from processor.runners.faust.worker import free_port
+
+    try:
+        check_environment()
+        settings = WebSettings.from_env(web_port or free_port(), web_host, web_bind, web_token, web_cert, web_key)
+        settings.ssl_context()
+    except ConfigError as exc:
+        _fail(str(exc))
+    return settings
 
 
 def _worker_options(fn):
@@ -127,7 +147,7 @@ def _worker_options(fn):
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
 @click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
 @click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
-def up(bootstrap, topology, group, data_dir, web_port, web_host, guarantee, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, loglevel, engine, checkpoint_dir, master, trigger) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
 
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
@@ -137,8 +157,9 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, guarantee, logl
         _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
         return
     load_topology(topology) if topology else None
+    web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
     with _bootstrap_or_embedded(bootstrap) as address:
-        worker = _worker(address, topology, group, data_dir, web_port, web_host, guarantee)
+        worker = _worker(address, topology, group, data_dir, web, guarantee)
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
         try:
             worker.run(loglevel)
@@ -239,12 +260,13 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, grou
 @click.option("--keys", default=None, help="Comma-separated SowKeys to delete.")
 @click.option("--data", default=None, help="Delete the record this JSON would have updated.")
 @GROUP
+@WEB_TOKEN
 @click.option("--wait", type=float, default=30.0, show_default=True, help="Seconds to wait for the workers to report the deletes (0: just send).")
-def delete(bootstrap, topology, group, topic, filter_, keys, data, wait) -> None:
+def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wait) -> None:
     """sow_delete by filter, by SowKeys or by data; prints how many records were deleted."""
     if sum(x is not None for x in (filter_, keys, data)) != 1:
         _fail("give exactly one of --filter, --keys or --data")
-    client = _client(bootstrap, topology, group)
+    client = _client(bootstrap, topology, group, web_token)
     with _client_errors():
         count = client.delete(topic, filter=filter_, keys=_split(keys), data=data, wait=wait or None)
         client.flush()
@@ -255,15 +277,16 @@ def delete(bootstrap, topology, group, topic, filter_, keys, data, wait) -> None
 @BOOTSTRAP
 @TOPOLOGY
 @GROUP
+@WEB_TOKEN
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None)
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")
 @click.option("--select", default=None, help="Comma-separated field paths to return.")
 @click.option("--top", type=int, default=None, help="At most this many records.")
 @click.option("--order-by", default=None, help="Field path to sort by, optionally followed by DESC.")
-def query(bootstrap, topology, group, topic, filter_, keys, select, top, order_by) -> None:
+def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, top, order_by) -> None:
     """SOW query: the current records, as JSON lines (answered by the workers)."""
-    client = _client(bootstrap, topology, group)
+    client = _client(bootstrap, topology, group, web_token)
     with _client_errors():
         for entry in client.query(topic, filter=filter_, keys=_split(keys), select=_split(select), top=top, order_by=order_by):
             _print(entry.as_dict())

@@ -8,7 +8,9 @@ Delta subscriptions compute each delta from consecutive versions of a record wit
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -22,6 +24,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from processor.contract.errors import InputError
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
+from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.keys import KeyError_
@@ -30,6 +33,8 @@ from processor.kafka.clients import end_offsets, make_consumer, make_producer, p
 from processor.query.engine import SowQuery, order_and_cut, result, selection
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology
 
+
+log = logging.getLogger("ksow.client")
 
 REGISTRY_CACHE_S = 2.0  # how long a client trusts its list of workers (a miss re-reads it at once)
 
@@ -49,20 +54,9 @@ class SowEntry:
         return {"sow_key": self.sow_key, "seq": self.seq, "expires_at": self.expires_at, "record": self.record}
 
 
-def _header(headers: list | None, name: str) -> str | None:
-    for k, v in headers or ():
-        if k == name and v is not None:
-            return v.decode()
-    return None
-
-
-def _int_header(headers: list | None, name: str) -> int | None:
-    value = _header(headers, name)
-    return int(value) if value is not None else None
-
-
 class Client:
-    def __init__(self, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None):
+    def __init__(self, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None,
+                 web_token: str | None = None):
         resolved = resolve_bootstrap(bootstrap)
         if not resolved:
             raise ClientError("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
@@ -73,7 +67,10 @@ class Client:
         self._base = base
         self._producer = None
         self.group = group or os.environ.get("KSOW_GROUP") or "ksow"
+        self.web_token = web_token or os.environ.get("KSOW_WEB_TOKEN") or None  # sent to workers as a bearer token
+        self._tls = _tls_context(os.environ.get("KSOW_WEB_CA"))
         self.last_query_source: str | None = None
+        self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
 
     # helpers ------------------------------------------------------------------------------
@@ -178,10 +175,10 @@ class Client:
             deadline = time.monotonic() + wait
             while deleted < targets and time.monotonic() < deadline:
                 for msg in consumer.consume(500, 0.2):
-                    if msg.error() is None and msg.value() is None and _header(msg.headers(), H.OP) == "delete":
-                        k = msg.key().decode()
-                        if k in targets:
-                            deleted.add(k)
+                    if msg.error() is None and msg.value() is None:
+                        change = self._parse(self.codec(spec), msg)
+                        if change is not None and change.op is Op.DELETE and change.key in targets:
+                            deleted.add(change.key)
             return len(deleted)
         finally:
             consumer.close()
@@ -194,6 +191,16 @@ class Client:
         self.flush()
 
     # reading the SOW ----------------------------------------------------------------------
+    def _parse(self, codec: Codec, msg) -> SowMessage | None:
+        """One `.sow` message as a change, or None (logged, counted in `skipped`) when malformed:
+        anything may write to the topic, and one bad record must not stop a read of the SOW."""
+        try:
+            return parse_sow_message(codec, msg.key(), msg.value(), msg.headers())
+        except MalformedSowMessage as exc:
+            self.skipped += 1
+            log.warning("skipped malformed record %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
+            return None
+
     def _snapshot(self, spec: SowTopic, after_seq: int | None = None) -> tuple[dict, dict[int, int], Any, list[tuple]]:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
         (with `after_seq`) the last change of every record whose event ID is above it, in order."""
@@ -207,7 +214,10 @@ class Client:
         since: dict[str, tuple] = {}
         codec = self.codec(spec)
         for msg in read_until(consumer, {(topic, p): e for p, e in ends.items()}):
-            change = _decode_change(codec, state, msg)
+            parsed = self._parse(codec, msg)
+            if parsed is None:
+                continue
+            change = _apply_change(state, parsed)
             if after_seq is not None and change[2] is not None and change[2] > after_seq:
                 since[change[1]] = change
         return state, ends, consumer, sorted(since.values(), key=lambda c: c[2])
@@ -239,7 +249,7 @@ class Client:
         if rows is None:
             rows = self._query_changelog(spec, query)
             self.last_query_source = "changelog"
-        return [SowEntry(r["sow_key"], r["seq"], r["expires_at"], r["record"]) for r in rows]
+        return [SowEntry(r["sow_key"], r.get("seq"), r.get("expires_at"), r["record"]) for r in rows]
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         from concurrent.futures import ThreadPoolExecutor
@@ -249,15 +259,18 @@ class Client:
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
+            ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}?{params}", self.web_token, self._tls)  # noqa: E731
             with ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
-                answers = list(pool.map(lambda w: _http_json(f"{w['url']}/sow/{spec.topic}?{params}"), workers))
+                answers = list(pool.map(ask, workers))
             covered: set[int] = set()
             rows: dict[str, dict] = {}
-            for answer in answers:
-                if answer is None:
+            for worker, answer in zip(workers, answers):
+                if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+                    raise ClientError(f"worker {worker['url']}: {answer['error']}")
+                if not _valid_answer(answer):
+                    if answer is not None:
+                        log.warning("ignored a malformed answer from worker %s", worker["url"])
                     continue
-                if "error" in answer:
-                    raise ClientError(answer["error"])
                 fresh = set(answer["partitions"]) - covered
                 covered |= fresh
                 for row in answer["results"]:
@@ -377,8 +390,11 @@ class Client:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now
+                    parsed = self._parse(codec, msg)
+                    if parsed is None:
+                        continue
                     # A transient topic's messages come whole, each as if new (a delta subscriber too).
-                    change = _decode_change(codec, state if stored else {}, msg)
+                    change = _apply_change(state if stored else {}, parsed)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.change(*change)
                         if event is None:
@@ -426,35 +442,53 @@ def _only_events(feed: Iterator[tuple[int, dict]]) -> Iterator[dict]:
         feed.close()
 
 
-def _decode_change(codec: Codec, state: dict, msg) -> tuple:
-    """(op, key, seq, record before, record after, expires_at) of one `.sow` message; updates `state`."""
-    key = msg.key().decode()
-    hs = msg.headers()
-    op = Op(_header(hs, H.OP) or ("delete" if msg.value() is None else "update"))
-    seq = _int_header(hs, H.SEQ)
-    expires = _int_header(hs, H.EXPIRES_AT)
+def _apply_change(state: dict, change: SowMessage) -> tuple:
+    """(op, key, seq, record before, record after, expires_at) of one `.sow` change; updates `state`."""
+    key, after = change.key, change.record
     before = state.get(key)
-    if msg.value() is None:
+    if after is None:
         state.pop(key, None)
-        after = None
     else:
-        after = codec.decode(msg.value())
-        state[key] = (after, seq, expires)
-    return op, key, seq, before[0] if before else None, after, expires
+        state[key] = (after, change.seq, change.expires_at)
+    return change.op, key, change.seq, before[0] if before else None, after, change.expires_at
 
 
-def _http_json(url: str, timeout: float = 30.0) -> dict | None:
-    """GET a worker's JSON answer; None when the worker is gone (its partitions will be missing)."""
+def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0) -> Any:
+    """GET a worker's JSON answer; None when the worker is gone or answers no JSON (its
+    partitions will be missing, and another worker or the changelog answers for them)."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
             return orjson.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
             return orjson.loads(exc.read())
         except orjson.JSONDecodeError:
             return None
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, orjson.JSONDecodeError):
         return None
+
+
+def _valid_answer(answer: Any) -> bool:
+    """Whether a worker's answer has the shape /sow/{topic} gives (anything else is ignored)."""
+    if not isinstance(answer, dict):
+        return False
+    partitions, results = answer.get("partitions"), answer.get("results")
+    return (
+        isinstance(partitions, list) and all(isinstance(p, int) for p in partitions)
+        and isinstance(results, list)
+        and all(isinstance(r, dict) and isinstance(r.get("sow_key"), str) and isinstance(r.get("record"), dict) for r in results)
+    )
+
+
+def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
+    """Verification of workers' HTTPS certificates against KSOW_WEB_CA (else the system's CAs)."""
+    if not ca_file:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ClientError(f"cannot use KSOW_WEB_CA {ca_file}: {exc}") from None
 
 
 def _conflate_event(pending: dict | None, event: dict) -> dict:

@@ -6,12 +6,12 @@ from typing import Iterable
 
 from processor.contract import headers as H
 from processor.contract.errors import InputError
+from processor.contract.limits import max_delete_keys
 from processor.contract.types import Command, SowCommand
 from processor.core.codec import Codec
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.filters import FilterError, compile_filter
 from processor.core.keys import KeyError_, KeySpec, validate_user_key
-
 
 
 def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dict[str, str]:
@@ -84,6 +84,9 @@ def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dic
         listed = tuple(k.strip() for k in headers[H.KEYS].split(",") if k.strip())
         if not listed:
             raise InputError("empty sow-keys on sow_delete")
+        cap = max_delete_keys()
+        if len(listed) > cap:  # each key becomes a rerouted copy of the message
+            raise InputError(f"sow-keys lists {len(listed)} keys, over the limit of {cap} per sow_delete (KSOW_MAX_DELETE_KEYS)")
         return SowCommand(Command.SOW_DELETE, keys=tuple(validate_user_key(k) for k in listed))
     if value:
         record = codec.decode(value)

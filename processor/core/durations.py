@@ -7,24 +7,42 @@ import re
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
+# Every duration (lifetimes, expiration clamps, conflation) is at most 36,500 days, about 100
+# years: an instant "now + lifetime" then always fits the signed 64-bit milliseconds that record
+# headers and store keys hold, whatever the input asked for.
+MAX_DURATION_MS = 36_500 * _UNITS_MS["d"]
+
 
 class DurationError(ValueError):
-    """A duration string that does not parse."""
+    """A duration string that does not parse, or one beyond MAX_DURATION_MS."""
 
 
 def parse_duration_ms(text: str | int | float) -> int:
     """Milliseconds for a duration; a bare number is seconds (as AMPS and the contract say)."""
-    if isinstance(text, bool):
-        raise DurationError(f"not a duration: {text!r}")
+    if isinstance(text, bool) or text != text:  # text != text: NaN
+        raise DurationError(f"not a duration: {_shown(text)}")
     if isinstance(text, (int, float)):
         if text < 0:
-            raise DurationError(f"negative duration: {text!r}")
-        return int(round(text * 1000))
+            raise DurationError(f"negative duration: {_shown(text)}")
+        return _bounded(text * 1000, text)
     match = _DURATION.match(text)
     if not match:
-        raise DurationError(f"not a duration: {text!r} (use e.g. 500ms, 30s, 5m, 2h, 1d or seconds)")
+        raise DurationError(f"not a duration: {_shown(text)} (use e.g. 500ms, 30s, 5m, 2h, 1d or seconds)")
     number, unit = match.groups()
-    return int(round(float(number) * _UNITS_MS[unit or "s"]))
+    return _bounded(float(number) * _UNITS_MS[unit or "s"], text)
+
+
+def _bounded(ms: float, given: object) -> int:
+    if not ms <= MAX_DURATION_MS:  # also infinity, e.g. from 400 digits
+        limit = format_duration_ms(MAX_DURATION_MS)
+        raise DurationError(f"duration {_shown(given)} is over the limit of {limit} (about 100 years)")
+    return int(round(ms))
+
+
+def _shown(value: object, width: int = 40) -> str:
+    """The value as a message quotes it, cut short: error reasons must not echo a huge input."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def format_duration_ms(ms: int) -> str:

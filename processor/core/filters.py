@@ -24,8 +24,10 @@ Semantics (AMPS rules with SQL three-valued logic, so NOT never turns "don't kno
   UNKNOWN). Any other mix, and objects, are UNKNOWN.
 * A predicate on an array value is true when any element satisfies it (AMPS repeated fields); an
   empty array gives FALSE. The NOT forms negate that: /tags NOT IN ('x') means no element is 'x'.
-* LIKE is a Python regular expression with re.search semantics (the pattern is a regex, not a
-  value, so LIKE '' matches any non-NULL value); BEGINS/ENDS WITH test string prefixes/suffixes.
+* LIKE is a regular expression in RE2 syntax, matched anywhere in the value (the pattern is a
+  regex, not a value, so LIKE '' matches any non-NULL value) in time linear in the value:
+  PCRE syntax without backreferences or look-around (see processor.core.regex).
+  BEGINS/ENDS WITH test string prefixes/suffixes.
   Both see numbers as Python prints them (10, 2.5, 1e+20) and booleans as true/false.
 * UPPER/LOWER change strings (and the strings inside arrays) and pass other values through.
 * Paths (/a/b, segments of letters, digits and _ $ @ . : -) walk nested objects only; they do
@@ -45,6 +47,7 @@ from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from processor.core.paths import MISSING, get_path, split_path
+from processor.core.regex import Regex, RegexError
 
 __all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "MATCH_ALL"]
 
@@ -61,11 +64,24 @@ class FilterError(ValueError):
         self.found = found
         what = f"found {found}" if found else "invalid filter"
         lines = [f"{what} at position {position}; expected one of: {', '.join(expected)}"]
-        lines += [f"  {text}", "  " + " " * position + "^"]
+        shown, caret = _window(text, position)
+        lines += [f"  {shown}", "  " + " " * caret + "^"]
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # picklable, e.g. across Spark/multiprocessing workers
         return FilterError, (self.text, self.position, self.expected, self.found)
+
+
+def _window(text: str, position: int, width: int = 80) -> tuple[str, int]:
+    """The text around a position, cut to about `width` characters (an error reason on `.errors`
+    must not echo a huge filter), and where the position is in it."""
+    if len(text) <= width:
+        return text, position
+    start = max(0, min(position - width // 2, len(text) - width))
+    shown = text[start : start + width]
+    head = "..." if start else ""
+    tail = "..." if start + width < len(text) else ""
+    return head + shown + tail, position - start + len(head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,11 +267,12 @@ class _Build(Transformer):
         token = items[-1]
         pattern = _unquote(token)
         try:
-            re.compile(pattern)
-        except re.error as exc:
-            pos = token.start_pos + 1 + (exc.pos or 0)
-            expected = [f"a valid regular expression ({exc.msg})"]
-            raise FilterError(self._text, pos, expected) from None
+            Regex(pattern)
+        except RegexError as exc:
+            # Position in the filter text: each quote before it was written doubled.
+            at = exc.position + pattern.count(token[0], 0, exc.position)
+            expected = [f"a valid regular expression ({exc.reason})"]
+            raise FilterError(self._text, token.start_pos + 1 + at, expected) from None
         return Like(items[0], pattern, _negated(items[1:]))
 
     def in_(self, items):
@@ -312,10 +329,40 @@ def _parse(text: str) -> Any:
         raise FilterError(text, pos, expected, found) from None
     except UnexpectedInput as exc:  # pragma: no cover - other lark input errors
         raise FilterError(text, getattr(exc, "pos_in_stream", 0) or 0, ["a valid filter"]) from None
+    too_deep = FilterError(text, 0, [f"a filter nested at most {MAX_DEPTH} levels deep"], "deeper nesting")
     try:
-        return _Build(text).transform(tree)
+        ast = _Build(text).transform(tree)
     except VisitError as exc:
         raise exc.orig_exc from None
+    except RecursionError:  # lark transforms recursively: thousands of NOTs get here
+        raise too_deep from None
+    if _depth(ast) > MAX_DEPTH:
+        raise too_deep
+    return ast
+
+
+# Compiling and matching recurse once per level of NOT, AND/OR, UPPER/LOWER: a filter from a
+# header or a query must not be able to exhaust the interpreter's stack.
+MAX_DEPTH = 64
+
+
+def _depth(ast: Any) -> int:
+    """Levels of the syntax tree (iteratively: the tree may be deeper than the stack allows)."""
+    deepest, todo = 0, [(ast, 1)]
+    while todo:
+        node, level = todo.pop()
+        deepest = max(deepest, level)
+        if isinstance(node, (And, Or)):
+            todo += [(item, level + 1) for item in node.items]
+        elif isinstance(node, Not):
+            todo.append((node.expr, level + 1))
+        elif isinstance(node, Func):
+            todo.append((node.arg, level + 1))
+        elif isinstance(node, Compare):
+            todo += [(node.left, level + 1), (node.right, level + 1)]
+        elif hasattr(node, "operand"):
+            todo.append((node.operand, level + 1))
+    return deepest
 
 
 def _accepts_after(prefix: str, fallback) -> set[str]:
@@ -338,7 +385,7 @@ def _describe(terminals) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Value semantics (the slow, general path; compiled closures take shortcuts for common cases)
 
-_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # unambiguous: linear on digit runs
 _BOOL_TEXT = {"true": True, "false": False}
 
 
@@ -584,11 +631,11 @@ def _compile_predicate(node: Any) -> Pred:
             return lambda rec: not _is_null(get(rec))
         return lambda rec: _is_null(get(rec))
     if isinstance(node, Like):
-        search = re.compile(node.pattern).search
+        search = Regex(node.pattern).search
 
         def scalar(v):
             s = _text(v)
-            return None if s is None else search(s) is not None
+            return None if s is None else search(s)
 
     elif isinstance(node, Between):
         low, high = node.low, node.high
@@ -742,6 +789,9 @@ class Filter:
 
     def __repr__(self) -> str:
         return f"Filter({self.text!r})"
+
+    def __reduce__(self):  # pickles as its text (Spark ships filters to its Python workers)
+        return compile_filter, (self.text,)
 
 
 def _equality_term(node: Any) -> tuple[str, frozenset] | None:

@@ -17,6 +17,7 @@ from typing import Iterable
 from processor.contract import headers as H
 from processor.contract.errors import InputError
 from processor.contract.types import Command, InputMessage, Output, SowRecord
+from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition as _owner_partition
@@ -61,18 +62,15 @@ class SowTopicEngine:
 
     def restore(self, p: int, state: PartitionState, key: bytes | None, value: bytes | None, headers, timestamp: int) -> None:
         """Apply one `<topic>.sow` record to partition p's state (replaying the changelog). Raises
-        on a record that is not a SOW record (the runner skips it)."""
-        if key is None:
-            return
-        hmap = dict(headers or ())
-        seq = int(hmap[H.SEQ]) if H.SEQ in hmap else 0
+        MalformedSowMessage on a record that is not a SOW record (the runner skips it)."""
+        change = parse_sow_message(self.codec, key, value, headers)
+        seq = change.seq or 0
         if seq:
             state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
-        if value is None:
-            state.remove(key.decode())
-            return
-        expires = int(hmap[H.EXPIRES_AT]) if H.EXPIRES_AT in hmap else None
-        state.put(key.decode(), SowRecord(self.codec.decode(value), seq, expires, timestamp))
+        if change.record is None:
+            state.remove(change.key)
+        else:
+            state.put(change.key, SowRecord(change.record, seq, change.expires_at, timestamp))
 
     # inputs ---------------------------------------------------------------------------
     def handle(self, messages: Iterable[InputMessage], now: int, out: list) -> None:

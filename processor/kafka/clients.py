@@ -9,6 +9,7 @@ from typing import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from processor.contract.limits import read_idle_timeout
 from processor.topology import SowTopic
 
 # librdkafka's default 1 s fetch-queue backoff stalls loops that read to the end of a partition.
@@ -156,16 +157,20 @@ def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.
     return out
 
 
-def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], timeout: float = 120.0) -> Iterator:
+def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], idle_timeout: float | None = None) -> Iterator:
     """Yield messages of the assigned partitions below their end offsets; stop when all reached them.
 
     Compacted topics have gaps in their offsets, so "done" is judged by end-of-partition events too.
+    There is no limit on the total time (a large SOW restores, or is subscribed to, however long
+    it takes): a TimeoutError comes only after `idle_timeout` seconds (default: env
+    KSOW_READ_IDLE_TIMEOUT, 60 s) without a message or an end-of-partition event of a partition
+    still being read. Time the caller spends between messages does not count.
     """
+    idle = read_idle_timeout() if idle_timeout is None else idle_timeout
     remaining = {tp: end for tp, end in ends.items() if end > 0}
-    deadline = time.monotonic() + timeout
+    progress_at = time.monotonic()
     while remaining:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"reading {sorted(remaining)} did not reach the end in {timeout}s")
+        progressed = False
         for msg in consumer.consume(1000, 0.2):
             tp = (msg.topic(), msg.partition())
             end = remaining.get(tp)
@@ -173,11 +178,19 @@ def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], timeout: fl
             if err is not None:
                 if err.code() != KafkaError._PARTITION_EOF:
                     raise KafkaException(err)
-                if end is not None and msg.offset() >= end:
-                    remaining.pop(tp)
+                if end is not None:
+                    progressed = True
+                    if msg.offset() >= end:
+                        remaining.pop(tp)
                 continue
             if end is None or msg.offset() >= end:
                 continue
+            progressed = True
             yield msg
             if msg.offset() + 1 >= end:
                 remaining.pop(tp)
+        now = time.monotonic()
+        if progressed:
+            progress_at = now
+        elif remaining and now - progress_at > idle:
+            raise TimeoutError(f"reading {sorted(remaining)}: no progress for {idle:g}s (KSOW_READ_IDLE_TIMEOUT)")

@@ -7,14 +7,20 @@ ignore entries older than STALE_MS, which covers workers that died without sayin
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+from urllib.parse import urlsplit
 
 import orjson
 from confluent_kafka import KafkaException, TopicPartition
 
 from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until
 
-REGISTRY_TOPIC = "__ksow_workers"
+log = logging.getLogger("ksow.registry")
+
+# One per cluster; KSOW_REGISTRY_TOPIC gives a deployment (or a test run) a registry of its own.
+REGISTRY_TOPIC = os.environ.get("KSOW_REGISTRY_TOPIC") or "__ksow_workers"
 REFRESH_S = 3.0
 STALE_MS = 12_000
 
@@ -30,7 +36,10 @@ def announcement(group: str, url: str, served: dict[str, list[int]]) -> tuple[by
 
 
 def live_workers(bootstrap: str, group: str) -> list[dict]:
-    """The workers of a group that announced themselves recently."""
+    """The workers of a group that announced themselves recently, with a valid entry.
+
+    Anything can write to `__ksow_workers`: an entry that is not what a worker writes (see
+    `entry_problem`) is skipped and logged once, so a junk entry cannot break queries."""
     consumer = make_consumer(bootstrap)
     try:
         try:
@@ -38,10 +47,82 @@ def live_workers(bootstrap: str, group: str) -> list[dict]:
         except KafkaException:  # no worker ever announced itself on this cluster
             return []
         consumer.assign([TopicPartition(REGISTRY_TOPIC, 0, 0)])
-        latest: dict[bytes, dict | None] = {}
+        latest: dict[bytes | None, bytes | None] = {}
         for msg in read_until(consumer, {(REGISTRY_TOPIC, 0): high}):
-            latest[msg.key()] = None if msg.value() is None else orjson.loads(msg.value())
+            latest[msg.key()] = msg.value()
     finally:
         consumer.close()
     now = time.time() * 1000
-    return [w for w in latest.values() if w and w["group"] == group and now - w["at"] < STALE_MS]
+    workers = []
+    for key, value in latest.items():
+        if value is None:
+            continue
+        try:
+            entry = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            entry = None
+        problem = entry_problem(key, entry)
+        if problem is not None:
+            _report(key, value, problem)
+        elif entry["group"] == group and now - entry["at"] < STALE_MS:
+            workers.append(entry)
+    return workers
+
+
+_MAX_PARTITION = 2**31 - 1
+_reported: set[tuple] = set()
+
+
+def entry_problem(key: bytes | None, entry: object) -> str | None:
+    """Why a registry entry is not one a worker writes (None when it is): a JSON object with a
+    string `group`, an http(s) `url` of host and port only, `topics` mapping names to partition
+    numbers, an integer `at`, and the key `<group>|<url>` (see `announcement`)."""
+    if not isinstance(entry, dict):
+        return "not a JSON object"
+    if not isinstance(entry.get("group"), str):
+        return "no group"
+    at = entry.get("at")
+    if not isinstance(at, int) or isinstance(at, bool):
+        return "no integer 'at'"
+    url = entry.get("url")
+    if not isinstance(url, str) or len(url) > 2048:
+        return "no url"
+    problem = _url_problem(url)
+    if problem is not None:
+        return f"url {url[:100]!r}: {problem}"
+    topics = entry.get("topics")
+    if not isinstance(topics, dict):
+        return "no topics"
+    for name, partitions in topics.items():
+        if not isinstance(partitions, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= _MAX_PARTITION for p in partitions
+        ):
+            return f"topic {str(name)[:100]!r}: partitions are not a list of partition numbers"
+    if key != f"{entry['group']}|{url}".encode():
+        return "key is not <group>|<url>"
+    return None
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, a bad IPv6 literal
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "scheme is not http or https"
+    if not parts.hostname or port is None:
+        return "no host and port"
+    if parts.username is not None or parts.password is not None or parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "more than scheme, host and port"
+    if not port:
+        return "port 0"
+    return None
+
+
+def _report(key: bytes | None, value: bytes, problem: str) -> None:
+    """Log a bad entry once per process (clients re-read the registry every few seconds)."""
+    seen = (key, value)
+    if seen not in _reported:
+        _reported.add(seen)
+        log.warning("skipped a bad %s entry (key %r): %s", REGISTRY_TOPIC, (key or b"")[:100], problem)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+from processor.contract.errors import KsowError
+from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.filters import Filter, compile_filter
 from processor.core.paths import MISSING, get_path, project, split_path
@@ -30,8 +33,10 @@ class SowQuery:
     @classmethod
     def from_params(cls, params: dict[str, str]) -> "SowQuery":
         split = lambda name: tuple(x.strip() for x in params.get(name, "").split(",") if x.strip())  # noqa: E731
-        top = params.get("top")
-        return cls(params.get("filter") or None, split("keys"), split("select"), int(top) if top else None, params.get("order_by") or None)
+        top = int(params["top"]) if params.get("top") else None
+        if top is not None and top < 0:
+            raise ValueError(f"top must not be negative, got {top}")
+        return cls(params.get("filter") or None, split("keys"), split("select"), top, params.get("order_by") or None)
 
     def to_params(self) -> dict[str, str]:
         out = {}
@@ -54,6 +59,40 @@ class SowQuery:
         parts = self.order_by.split()
         descending = len(parts) > 1 and parts[1].upper() == "DESC"
         return split_path(parts[0]), descending
+
+
+class QueryLimitError(KsowError):
+    """A query that went over its row or time limit; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one query may cost a worker: records matched (before top) and seconds of work.
+
+    Defaults come from KSOW_QUERY_MAX_ROWS and KSOW_QUERY_MAX_SECONDS (see contract.limits)."""
+
+    max_rows: int = field(default_factory=query_max_rows)
+    max_seconds: float = field(default_factory=query_max_seconds)
+
+    CHECK_EVERY = 1024  # records read between two checks: the clock is not read per record
+
+    def start(self, clock=time.monotonic):
+        """A check(matched) for one query, starting its clock now; raises QueryLimitError."""
+        deadline = clock() + self.max_seconds
+        max_rows, max_seconds = self.max_rows, self.max_seconds
+
+        def check(matched: int) -> None:
+            if matched > max_rows:
+                raise QueryLimitError(
+                    f"query matched more than {max_rows} records (KSOW_QUERY_MAX_ROWS); narrow the filter", 413)
+            if clock() > deadline:
+                raise QueryLimitError(f"query took longer than {max_seconds:g}s (KSOW_QUERY_MAX_SECONDS); narrow the filter", 503)
+
+        return check
 
 
 @dataclass
@@ -99,36 +138,49 @@ def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None
 PREFILTER = True  # derive raw-bytes prefilters for scans (off only to measure what they save)
 
 
-def _scan(stores: list[PartitionStore], predicate: Filter, plan: QueryPlan) -> list[tuple[str, SowRecord]]:
+def _scan(stores: list[PartitionStore], predicate: Filter, plan: QueryPlan, check) -> list[tuple[str, SowRecord]]:
     """Every record of the stores through the filter; a raw-bytes prefilter derived from the filter
     (when it has one) spares decoding the records that cannot match."""
-    rows = []
+    rows: list[tuple[str, SowRecord]] = []
     raw_check = raw_prefilter(predicate, RECORD_HEADER_SIZE) if PREFILTER else None
     plan.extra["prefilter"] = raw_check is not None
     for store in stores:
-        matched, read = store.select(predicate.matches, raw_check)
+        # Matches of earlier stores count towards the row limit too.
+        matched, read = store.select(predicate.matches, raw_check, QueryLimits.CHECK_EVERY, lambda n: check(len(rows) + n))
         rows += matched
         plan.candidates += read
     return rows
 
 
 def run_query(
-    stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...], key_paths: tuple[tuple[str, ...], ...] = ()
+    stores: Iterable[PartitionStore],
+    query: SowQuery,
+    indexes: tuple[tuple[str, ...], ...],
+    key_paths: tuple[tuple[str, ...], ...] = (),
+    limits: QueryLimits | None = None,
 ) -> tuple[list[dict], QueryPlan]:
-    """The matching records of the given partitions as result dicts, ordered and cut to `top`."""
+    """The matching records of the given partitions as result dicts, ordered and cut to `top`.
+
+    Raises QueryLimitError as soon as more than `limits.max_rows` records matched or the query
+    ran past `limits.max_seconds` (checked every QueryLimits.CHECK_EVERY records read)."""
+    check = (limits or QueryLimits()).start()
     predicate = compile_filter(query.filter) if query.filter else None
     plan = QueryPlan(None)
     select = selection(query, key_paths)
     rows: list[tuple[str, SowRecord]] = []
     stores = list(stores)
     if predicate is not None and not query.keys and choose_index(predicate, indexes) is None:
-        rows = _scan(stores, predicate, plan)
+        rows = _scan(stores, predicate, plan, check)
     else:
+        mask = QueryLimits.CHECK_EVERY - 1
         for store in stores:
             for key, record in _candidates(store, query, predicate, indexes, plan):
                 plan.candidates += 1
+                if plan.candidates & mask == 0:
+                    check(len(rows))
                 if predicate is None or predicate.matches(record.data):
                     rows.append((key, record))
+    check(len(rows))
     rows = order_and_cut(rows, query, lambda row: row[1].data)
     return [result(key, rec, select) for key, rec in rows], plan
 

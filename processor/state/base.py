@@ -67,8 +67,17 @@ class IndexSpec:
         return tuple(tuple(split_path(p) for p in index) for index in self.hash_indexes)
 
 
+def _instant(expires_at: int) -> int:
+    """An expiry instant as stored: clamped to [0, 2**63 - 1] (due at once / never, in practice).
+
+    Inputs cannot produce one outside (durations are bounded at parse time), but a record restored
+    from a changelog someone else wrote can: a commit must not fail on any record, and the record
+    header (signed 64 bits) and the expiry index key (unsigned) must agree on the value."""
+    return min(max(expires_at, 0), 2**63 - 1)
+
+
 def encode_record(record: SowRecord) -> bytes:
-    expires = _NO_EXPIRY if record.expires_at is None else record.expires_at
+    expires = _NO_EXPIRY if record.expires_at is None else _instant(record.expires_at)
     return _HEADER.pack(record.seq, expires, record.updated_at) + orjson.dumps(record.data)
 
 
@@ -173,18 +182,22 @@ class PartitionStore:
                 return found
         return None
 
-    def select(self, predicate, raw_check=None) -> tuple[list[tuple[str, SowRecord]], int]:
+    def select(self, predicate, raw_check=None, check_every: int = 0, check=None) -> tuple[list[tuple[str, SowRecord]], int]:
         """Committed records whose data satisfies `predicate`, and how many were read: the scan path
         of queries, kept to one loop that decodes only the fields and builds records for matches.
 
         `raw_check(stored bytes)`, when given, is a necessary condition for `predicate` (see
         processor.core.rawfilter): records it rejects are not decoded. It is dropped after the
         first `PROBE` records if it rejected too few of them to pay for itself.
+        `check(matched so far)`, when given, is called every `check_every` records read (a power
+        of two) and may raise to end the scan: a query's row and time limits.
         """
         loads, size, decode = orjson.loads, _HEADER.size, decode_record
         out: list[tuple[str, SowRecord]] = []
         append = out.append
         items = iter(self.backend.scan(_REC, _REC + _END))
+        if check is not None:
+            items = _checked(items, check_every - 1, check, out)
         read = 0
         if raw_check is not None:
             rejected = 0
@@ -298,8 +311,8 @@ class PartitionStore:
                 writes[_REC + kb] = encode_record(after)
                 self._index(writes, kb, after)
                 count += 1
-                if after.expires_at is not None and after.expires_at < self._due_from:
-                    self._due_from = after.expires_at
+                if after.expires_at is not None and _instant(after.expires_at) < self._due_from:
+                    self._due_from = _instant(after.expires_at)
             else:
                 writes[_REC + kb] = None
         self._meta["count"] = count
@@ -316,7 +329,7 @@ class PartitionStore:
 
     def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
         if record.expires_at is not None:
-            yield _EXP + _BE64.pack(record.expires_at) + kb
+            yield _EXP + _BE64.pack(_instant(record.expires_at)) + kb
         if self.indexes.track_age:
             yield _AGE + _BE64.pack(record.updated_at) + kb
         for no, paths in enumerate(self.indexes.split):
@@ -341,6 +354,15 @@ class PartitionStore:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _checked(items: Iterator, mask: int, check, out: list) -> Iterator:
+    """`items`, calling check(len(out)) every mask + 1 of them (mask: a power of two minus one)."""
+    for n, item in enumerate(items):
+        if n & mask == 0:
+            check(len(out))
+        yield item
+    check(len(out))
 
 
 def open_partition_store(kind: str, path: str | None, indexes: IndexSpec) -> PartitionStore:

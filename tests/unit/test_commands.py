@@ -2,7 +2,8 @@
 
 import pytest
 
-from processor.contract.errors import InputError
+from processor.contract.errors import ConfigError, InputError
+from processor.contract.limits import MAX_DELETE_KEYS, check_environment
 from processor.contract.types import Command
 from processor.core.codec import JsonCodec
 from processor.core.commands import header_map, parse_command
@@ -49,10 +50,33 @@ def test_deletes():
     (None, [("sow-command", b"sow_delete"), ("sow-keys", b" , ")], "empty sow-keys"),
     (b'{"id": 1}', [("sow-command", b"\xff")], "not UTF-8"),
     (b'{"id": 1}', [("sow-key", None)], "has no value"),
+    (b'{"id": 1}', [("sow-expiration", b"200000000000d")], "over the limit of 36500d"),
 ])
 def test_bad_inputs(value, headers, reason):
     with pytest.raises(InputError, match=reason):
         parse(value, headers)
+
+
+def _delete_keys(n: int):
+    keys = ",".join(f"k{i}" for i in range(n)).encode()
+    return parse(None, [("sow-command", b"sow_delete"), ("sow-keys", keys)])
+
+
+def test_keys_per_delete_are_capped():
+    """One sow_delete with N keys becomes N rerouted copies: N is bounded, the rest is an error."""
+    assert len(_delete_keys(MAX_DELETE_KEYS).keys) == MAX_DELETE_KEYS
+    with pytest.raises(InputError, match=f"lists {MAX_DELETE_KEYS + 1} keys, over the limit of {MAX_DELETE_KEYS}"):
+        _delete_keys(MAX_DELETE_KEYS + 1)
+
+
+def test_keys_per_delete_cap_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "3")
+    assert len(_delete_keys(3).keys) == 3
+    with pytest.raises(InputError, match="over the limit of 3"):
+        _delete_keys(4)
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "lots")
+    with pytest.raises(ConfigError, match="KSOW_MAX_DELETE_KEYS must be a positive integer"):
+        check_environment()
 
 
 def test_user_keys_topic():

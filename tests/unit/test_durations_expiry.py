@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from processor.core.durations import DurationError, format_duration_ms, parse_duration_ms
+from processor.core.durations import MAX_DURATION_MS, DurationError, format_duration_ms, parse_duration_ms
 from processor.core.expiry import ExpirationMode, ExpiryPolicy, is_due
 
 
@@ -17,6 +17,24 @@ def test_parse(text, ms):
 def test_parse_rejects(text):
     with pytest.raises(DurationError):
         parse_duration_ms(text)
+
+
+@pytest.mark.parametrize("text", ["36501d", "200000000000d", "9" * 400, "3153600001", 1e300, float("inf")])
+def test_durations_over_about_100_years_are_refused(text):
+    with pytest.raises(DurationError, match="over the limit of 36500d"):
+        parse_duration_ms(text)
+
+
+def test_the_longest_duration_fits_an_instant_in_64_bits():
+    assert parse_duration_ms("36500d") == MAX_DURATION_MS
+    assert 2**62 // MAX_DURATION_MS > 1000  # far from overflowing with any wall clock added
+
+
+@pytest.mark.parametrize("text", [float("nan"), "x" * 10_000])
+def test_errors_do_not_echo_huge_input(text):
+    with pytest.raises(DurationError) as err:
+        parse_duration_ms(text)
+    assert len(str(err.value)) < 120
 
 
 @given(st.integers(0, 10**10))

@@ -4,7 +4,7 @@ import pytest
 
 from processor.contract.types import SowRecord
 from processor.core.filters import compile_filter
-from processor.query.engine import SowQuery, choose_index, order_and_cut, run_query
+from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, choose_index, order_and_cut, run_query
 from processor.state import IndexSpec, open_partition_store
 
 INDEXES = (("/status",), ("/region", "/desk"))
@@ -78,3 +78,54 @@ def test_index_finds_values_of_any_spelling(tmp_path):
     rows, _ = run_query([store], SowQuery("/n = '10'"), (("/n",),))
     assert sorted(r["sow_key"] for r in rows) == ["a", "b", "c", "d"]
     store.close()
+
+
+@pytest.mark.parametrize("query", [SowQuery("/qty >= 0"), SowQuery("/status = 'open'"), SowQuery()], ids=["scan", "index", "all"])
+def test_a_query_over_its_row_limit_ends_with_413(stores, query):
+    total = len(run_query(stores, query, INDEXES)[0])
+    assert len(run_query(stores, query, INDEXES, limits=QueryLimits(max_rows=total))[0]) == total
+    with pytest.raises(QueryLimitError, match=f"more than {total - 1} records") as err:
+        run_query(stores, query, INDEXES, limits=QueryLimits(max_rows=total - 1))
+    assert err.value.status == 413
+
+
+def test_a_scan_stops_at_the_row_limit_as_it_goes(tmp_path):
+    """The limit is checked while scanning, not after everything matched was collected."""
+    store = open_partition_store("memory", None, IndexSpec())
+    for i in range(50_000):
+        store.stage(f"k{i}", SowRecord({"id": i}, i))
+    store.commit()
+    seen = []
+    with pytest.raises(QueryLimitError):
+        store.select(lambda data: True, None, 1024, lambda n: seen.append(n) or QueryLimits(max_rows=2000).start()(n))
+    assert seen[-1] <= 2000 + 1024
+
+
+def test_a_scan_over_its_time_limit_ends_with_503():
+    store = open_partition_store("memory", None, IndexSpec())
+    for i in range(10_000):
+        store.stage(f"k{i}", SowRecord({"id": i}, i))
+    store.commit()
+    now = [0.0]
+    read = []
+
+    def slow(data):  # each record costs 10 ms of (fake) time
+        now[0] += 0.01
+        read.append(data)
+        return False
+
+    check = QueryLimits(max_seconds=2).start(clock=lambda: now[0])
+    with pytest.raises(QueryLimitError, match="longer than 2s") as err:
+        store.select(slow, None, 1024, check)
+    assert err.value.status == 503 and len(read) == 1024  # stopped at the first check past 2 s
+
+
+def test_limits_default_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KSOW_QUERY_MAX_ROWS", "7")
+    monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "0.5")
+    assert QueryLimits() == QueryLimits(7, 0.5)
+
+
+def test_negative_top_is_refused():
+    with pytest.raises(ValueError, match="top must not be negative"):
+        SowQuery.from_params({"top": "-1"})

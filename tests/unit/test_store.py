@@ -67,6 +67,18 @@ def test_same_key_staged_twice_in_a_batch(store):
     assert store.get("a") is None and list(store.due(10_000)) == [] and store.count() == 0
 
 
+@pytest.mark.parametrize("instant,stored", [(2**63, 2**63 - 1), (2**70, 2**63 - 1), (-5, 0)])
+def test_expiry_instants_beyond_64_bits_are_clamped_not_fatal(store, instant, stored):
+    """A record restored from a foreign changelog may carry any instant: the commit must succeed."""
+    store.stage("a", rec({"status": "open"}, 1, instant, 10))
+    store.commit()
+    assert store.get("a").expires_at == stored
+    assert list(store.due(2**63 - 2)) == ([] if stored > 0 else [(0, "a")])
+    store.stage("a", None)  # the index entry is found again and removed
+    store.commit()
+    assert list(store.due(2**63 - 1)) == [] and store.count() == 0
+
+
 def test_rocksdb_survives_reopen(tmp_path):
     path = str(tmp_path / "p1")
     s = open_partition_store("rocksdb", path, IndexSpec())

@@ -38,6 +38,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract import headers as H
 from processor.contract.types import InputMessage, Output
+from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
@@ -575,7 +576,7 @@ class SowLoop:
                 for msg in read_until(consumer, {(topic, task.p): high}):
                     try:
                         task.engine.restore(task.p, store, msg.key(), msg.value(), msg.headers(), msg.timestamp()[1])
-                    except Exception as exc:  # noqa: BLE001 - a record written by anything else must not stop restore
+                    except MalformedSowMessage as exc:  # written by anything else: it must not stop restore
                         log.warning("skipped %s[%d]@%d: not a SOW record (%s)", topic, task.p, msg.offset(), exc)
                         metrics.CHANGELOG_SKIPPED.inc()
                     count += 1

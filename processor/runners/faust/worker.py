@@ -24,7 +24,7 @@ from faust.app.base import BootStrategy
 from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
-from processor.runners.faust.web import install_web
+from processor.runners.faust.web import WebSettings, install_web
 from processor.topology import Topology
 
 log = logging.getLogger("ksow.worker")
@@ -91,16 +91,14 @@ class SowWorker:
         bootstrap: str,
         group: str = "ksow",
         data_dir: Path | None = None,
-        web_port: int | None = None,
         topology_dir: Path | None = None,
-        web_host: str | None = None,
         settings: LoopSettings | None = None,
+        web: WebSettings | None = None,
     ):
         self.topology = topology
         self.bootstrap = bootstrap
         self.group = group
-        self.web_port = web_port or free_port()
-        self.web_host = web_host or os.environ.get("KSOW_WEB_HOST") or "127.0.0.1"
+        self.web = web or WebSettings.from_env(free_port())
         self.data_dir = Path(data_dir or default_data_dir(group, topology))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # A stable transactional.id per worker identity: a restarted worker fences its earlier self.
@@ -116,11 +114,10 @@ class SowWorker:
             store="memory://",
             datadir=str(self.data_dir / "faust"),
             web_enabled=True,
-            web_bind=self.web_host if self.web_host != "localhost" else "127.0.0.1",
-            web_host=self.web_host,
-            web_port=self.web_port,
+            web_host=self.web.host,
+            web_port=self.web.port,
         )
-        install_web(WorkerView(self), app)
+        install_web(WorkerView(self), app, self.web)
         return app
 
     def create_topics(self) -> None:
@@ -149,7 +146,6 @@ class WorkerView:
 
     def __init__(self, worker: SowWorker):
         self.group = worker.group
-        self.url = f"http://{worker.web_host}:{worker.web_port}"
         self._loop = worker.loop
         self._producer = None
         self._bootstrap = worker.bootstrap

@@ -1,0 +1,66 @@
+"""Bounds on what one input, one query or one read may cost, each with its environment override.
+
+A single message or caller must not be able to stop, hang or exhaust a worker: these are the
+limits that say where "too big" starts. The README's "Limits" section lists them for users.
+Values are read from the environment when asked for (cheap, and tests can set them); a value
+that is not a positive number is a ConfigError naming the variable. `check_environment()`
+validates them all at start, so a typo fails the process at once instead of at the first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+from processor.contract.errors import ConfigError
+
+MAX_DELETE_KEYS = 10_000  # SowKeys in one sow_delete's sow-keys header
+QUERY_MAX_ROWS = 100_000  # records one HTTP query may return
+QUERY_MAX_SECONDS = 10.0  # time one HTTP query may take on a worker
+READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this long without progress
+
+_ENV = {
+    "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
+    "KSOW_QUERY_MAX_ROWS": (int, QUERY_MAX_ROWS),
+    "KSOW_QUERY_MAX_SECONDS": (float, QUERY_MAX_SECONDS),
+    "KSOW_READ_IDLE_TIMEOUT": (float, READ_IDLE_TIMEOUT_S),
+}
+
+
+def _env(name: str) -> int | float:
+    kind, default = _ENV[name]
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
+    return value
+
+
+def max_delete_keys() -> int:
+    """SowKeys one sow_delete may list (env KSOW_MAX_DELETE_KEYS); more is an input error."""
+    return int(_env("KSOW_MAX_DELETE_KEYS"))
+
+
+def query_max_rows() -> int:
+    """Default row limit of one worker HTTP query (env KSOW_QUERY_MAX_ROWS)."""
+    return int(_env("KSOW_QUERY_MAX_ROWS"))
+
+
+def query_max_seconds() -> float:
+    """Default time limit of one worker HTTP query (env KSOW_QUERY_MAX_SECONDS)."""
+    return float(_env("KSOW_QUERY_MAX_SECONDS"))
+
+
+def read_idle_timeout() -> float:
+    """Seconds without progress after which reading a topic to its end fails (env KSOW_READ_IDLE_TIMEOUT)."""
+    return float(_env("KSOW_READ_IDLE_TIMEOUT"))
+
+
+def check_environment() -> None:
+    """Raise ConfigError if any limit's environment variable is set to something unusable."""
+    for name in _ENV:
+        _env(name)

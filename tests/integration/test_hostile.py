@@ -1,0 +1,180 @@
+"""Hostile input on a real broker: what anyone can write to an input topic, to `<topic>.sow` or to
+the worker registry must not stop a worker, a subscriber or a query; the HTTP endpoint is guarded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+from confluent_kafka import TopicPartition
+
+from processor.client.sow_client import Client, ClientError
+from processor.kafka import registry
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until, topic_configs
+from processor.topology import load_topology
+
+from .workers import Worker, headers_of, producer, read_all, send, wait_until, write_topology
+
+pytestmark = pytest.mark.integration
+
+
+def _ksow(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "processor.cli", *args], capture_output=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def _lines(out: bytes) -> list[dict]:
+    return [orjson.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_reading_a_topic_times_out_on_no_progress_not_on_total_time(kafka_bootstrap, admin, unique_name):
+    ensure_topics(admin, {unique_name: (1, {})})
+    p = producer(kafka_bootstrap)
+    for i in range(3000):
+        send(p, unique_name, {"i": i})
+    p.flush(30)
+    consumer = make_consumer(kafka_bootstrap)
+    try:
+        ((_, high),) = end_offsets(consumer, unique_name, [0]).values()
+        consumer.assign([TopicPartition(unique_name, 0, 0)])
+        began, got = time.monotonic(), 0
+        for _ in read_until(consumer, {(unique_name, 0): high}, 0.5):  # a slow reader: ~3 s in all
+            got += 1
+            time.sleep(0.001)
+        assert got == 3000 and time.monotonic() - began > 1.5
+        # An end that is never reached (nothing more arrives): fails after the idle time, not never.
+        consumer.assign([TopicPartition(unique_name, 0, high)])
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match="no progress for 0.5s"):
+            list(read_until(consumer, {(unique_name, 0): high + 1}, 0.5))
+        assert time.monotonic() - began < 10
+    finally:
+        consumer.close()
+
+
+def test_garbage_on_the_sow_topic_is_skipped_by_subscribe_and_query(kafka_bootstrap, admin, unique_name, tmp_path):
+    """No worker runs: `ksow query` reads `<topic>.sow` itself, as `ksow subscribe --sow` does."""
+    path = write_topology(tmp_path, unique_name, partitions=1)
+    spec = load_topology(path).topic(unique_name)
+    ensure_topics(admin, topic_configs(spec))
+    good = {"k1": {"id": 1, "v": "a"}, "k2": {"id": 2, "v": "b"}}
+    p = producer(kafka_bootstrap)
+    send(p, spec.sow_topic, good["k1"], b"k1", [("sow-op", b"insert"), ("sow-seq", b"1024")])
+    garbage = [
+        (b"not json at all", b"k3", [("sow-op", b"insert")]),
+        ({"id": 5}, b"k5", [("sow-seq", b"abc")]),
+        ({"id": 6}, b"k6", [("sow-expires-at", b"1e99")]),
+        ({"id": 7}, b"k7", [("sow-op", b"explode")]),
+        ({"id": 8}, b"\xff\xfe", []),
+    ]
+    for value, key, headers in garbage:
+        send(p, spec.sow_topic, value, key, headers)
+    send(p, spec.sow_topic, good["k2"], b"k2", [("sow-op", b"insert"), ("sow-seq", b"2048"), ("sow-expires-at", b"4102444800000")])
+    p.flush(30)
+    common = ["--bootstrap", kafka_bootstrap, "--topology", str(path)]
+
+    sub = _ksow("subscribe", unique_name, "--sow", "--timeout", "2", *common)  # (a compacted topic refuses keyless records)
+    assert sub.returncode == 0, sub.stderr.decode()[-2000:]
+    assert {e["sow_key"]: e["record"] for e in _lines(sub.stdout)} == good, sub.stderr.decode()[-3000:]
+    query = _ksow("query", unique_name, "--group", f"nobody-{unique_name}", *common)
+    assert query.returncode == 0, query.stderr.decode()[-2000:]
+    assert {e["sow_key"]: e["record"] for e in _lines(query.stdout)} == good
+    assert b"skipped malformed record" in query.stderr
+
+    client = Client(kafka_bootstrap, load_topology(path), f"nobody-{unique_name}")
+    assert {e.sow_key for e in client.query(unique_name)} == set(good)
+    assert client.last_query_source == "changelog" and client.skipped == len(garbage)
+
+
+@pytest.fixture
+def own_registry(monkeypatch, unique_name):
+    """A registry topic of this test's own: junk written to it cannot reach anyone else's queries."""
+    topic = f"__ksow_workers_{unique_name}"
+    monkeypatch.setenv("KSOW_REGISTRY_TOPIC", topic)  # for the worker and CLI subprocesses
+    monkeypatch.setattr(registry, "REGISTRY_TOPIC", topic)  # for this process's client
+    return topic
+
+
+def _start(kafka_bootstrap, tmp_path, unique_name, **topology) -> tuple[Worker, Client]:
+    path = write_topology(tmp_path, unique_name, partitions=2, **topology)
+    group = f"g-{unique_name}"
+    worker = Worker(kafka_bootstrap, path, group, tmp_path / "d1").start()
+    return worker, Client(kafka_bootstrap, load_topology(path), group)
+
+
+def test_a_lifetime_past_100_years_lands_on_errors_and_the_worker_goes_on(kafka_bootstrap, unique_name, tmp_path, own_registry):
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name, expiration="enabled")
+    try:
+        p = producer(kafka_bootstrap)
+        send(p, unique_name, {"id": 1, "v": "hostile"}, headers=[("sow-expiration", b"200000000000d")])
+        p.flush(30)
+        for i in range(2, 6):
+            client.publish(unique_name, {"id": i, "v": "good"}, expiration="1d")
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 4, timeout=60)
+        errors = wait_until(lambda: read_all(kafka_bootstrap, f"{unique_name}.errors", 2), timeout=30)
+        assert [orjson.loads(m.value()) for m in errors] == [{"id": 1, "v": "hostile"}]
+        assert "over the limit of 36500d" in headers_of(errors[0])["sow-error"]
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+
+
+def test_the_token_guards_the_worker_endpoint(kafka_bootstrap, unique_name, tmp_path, own_registry, monkeypatch):
+    monkeypatch.setenv("KSOW_WEB_TOKEN", "s3cret-token")
+    worker, _ = _start(kafka_bootstrap, tmp_path, unique_name)
+    monkeypatch.delenv("KSOW_WEB_TOKEN")  # from here on, clients get the token only when given it
+    try:
+        with_token = Client(kafka_bootstrap, load_topology(tmp_path / f"{unique_name}.yaml"), f"g-{unique_name}", web_token="s3cret-token")
+        with_token.publish(unique_name, {"id": 1, "v": "x"})
+        with_token.flush()
+        wait_until(lambda: len(with_token.query(unique_name)) == 1 and with_token.last_query_source == "workers", timeout=60)
+        (entry,) = registry.live_workers(kafka_bootstrap, f"g-{unique_name}")
+        url = f"{entry['url']}/sow/{unique_name}"
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+            assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+        without = Client(kafka_bootstrap, load_topology(tmp_path / f"{unique_name}.yaml"), f"g-{unique_name}")
+        with pytest.raises(ClientError, match="bearer token"):
+            without.query(unique_name)
+        metrics = urllib.request.Request(f"{entry['url']}/metrics", headers={"Authorization": "Bearer s3cret-token"})
+        assert b"ksow_inputs" in urllib.request.urlopen(metrics, timeout=10).read()
+    finally:
+        worker.kill()
+
+
+def test_junk_registry_entries_do_not_break_queries(kafka_bootstrap, unique_name, tmp_path, own_registry):
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name)
+    try:
+        client.publish(unique_name, {"id": 1, "v": "x"})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 1 and client.last_query_source == "workers", timeout=60)
+        group = f"g-{unique_name}"
+        now = int(time.time() * 1000)
+        junk = [
+            (b"junk-1", b"\x00 not json"),
+            (b"junk-2", orjson.dumps([1, 2, 3])),
+            (f"{group}|ftp://10.0.0.1:21".encode(), orjson.dumps({"group": group, "url": "ftp://10.0.0.1:21", "topics": {unique_name: [0, 1]}, "at": now})),
+            (b"junk-3", orjson.dumps({"group": group, "url": "http://127.0.0.1:9/x", "topics": {unique_name: [0, 1]}, "at": now})),
+            (b"junk-4", orjson.dumps({"group": group, "url": "http://127.0.0.1:9", "topics": {unique_name: "all"}, "at": now})),
+        ]
+        p = producer(kafka_bootstrap)
+        for key, value in junk:
+            send(p, own_registry, value, key)
+        p.flush(30)
+        client._registry = None  # forget the cached worker list
+        assert [e.record for e in client.query(unique_name)] == [{"id": 1, "v": "x"}]
+        assert client.last_query_source == "workers"
+        cli = _ksow("query", unique_name, "--bootstrap", kafka_bootstrap, "--topology", str(tmp_path / f"{unique_name}.yaml"), "--group", group)
+        assert cli.returncode == 0, cli.stderr.decode()[-2000:]
+        assert [e["record"] for e in _lines(cli.stdout)] == [{"id": 1, "v": "x"}]
+        assert cli.stderr.count(b"skipped a bad") == len(junk)
+    finally:
+        worker.kill()

@@ -1,0 +1,92 @@
+"""The HTTP endpoint's decisions: bind address, bearer token, TLS settings, registry entries."""
+
+import shutil
+import subprocess
+
+import orjson
+import pytest
+
+from processor.contract.errors import ConfigError
+from processor.kafka.registry import announcement, entry_problem
+from processor.runners.faust.web import WebSettings, authorized, web_bind_address
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "10.1.2.3", "worker-7.internal", "::1"])
+def test_binds_exactly_the_host_asked(host):
+    assert web_bind_address(WebSettings(8080, host)) == host
+
+
+def test_bind_can_differ_from_the_announced_host():
+    settings = WebSettings(8080, "worker-7.example.com", bind="0.0.0.0")
+    assert web_bind_address(settings) == "0.0.0.0" and settings.url == "http://worker-7.example.com:8080"
+
+
+def test_settings_from_environment_and_options(monkeypatch):
+    monkeypatch.setenv("KSOW_WEB_HOST", "envhost")
+    monkeypatch.setenv("KSOW_WEB_TOKEN", "s3cret")
+    monkeypatch.setenv("KSOW_QUERY_MAX_ROWS", "5")
+    settings = WebSettings.from_env(9000)
+    assert (settings.host, settings.token, settings.limits.max_rows) == ("envhost", "s3cret", 5)
+    assert WebSettings.from_env(9000, host="opt", token="t2").token == "t2"
+    assert WebSettings(9000, "::1").url == "http://[::1]:9000"
+
+
+@pytest.mark.parametrize(
+    "header,ok",
+    [("Bearer s3cret", True), ("bearer s3cret", True), ("Bearer wrong", False), ("Bearer ", False),
+     ("Basic s3cret", False), (None, False), ("s3cret", False)],
+)
+def test_token_is_required_when_set(header, ok):
+    assert authorized("s3cret", header) is ok
+    assert authorized(None, header) is True  # no token configured: open, as before
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_settings(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)
+    settings = WebSettings(8443, "localhost", cert=str(cert), key=str(key))
+    assert settings.url == "https://localhost:8443" and settings.ssl_context() is not None
+    assert WebSettings(8080).ssl_context() is None
+    with pytest.raises(ConfigError, match="cannot use --web-cert"):
+        WebSettings(8443, cert=str(tmp_path / "missing.pem")).ssl_context()
+    with pytest.raises(ConfigError, match="needs --web-cert"):
+        WebSettings.from_env(8443, key=str(key))
+
+
+def _entry(**changes):
+    key, value = announcement("g", "http://10.0.0.5:8080", {"orders": [0, 1]})
+    entry = {**orjson.loads(value), **changes}
+    return key, entry
+
+
+def test_a_worker_written_entry_is_valid():
+    assert entry_problem(*_entry()) is None
+
+
+@pytest.mark.parametrize(
+    "changes,problem",
+    [
+        ({"url": "file:///etc/passwd"}, "scheme"),
+        ({"url": "http://10.0.0.5"}, "no host and port"),
+        ({"url": "http://10.0.0.5:99999"}, "out of range"),
+        ({"url": "http://10.0.0.5:0"}, "port 0"),
+        ({"url": "http://user:pw@10.0.0.5:8080"}, "more than scheme, host and port"),
+        ({"url": "http://10.0.0.5:8080/evil?x=1"}, "more than scheme, host and port"),
+        ({"url": 42}, "no url"),
+        ({"group": None}, "no group"),
+        ({"at": "now"}, "no integer 'at'"),
+        ({"topics": ["orders"]}, "no topics"),
+        ({"topics": {"orders": [0, -1]}}, "partitions"),
+        ({"topics": {"orders": "all"}}, "partitions"),
+        ({"group": "other"}, "key is not <group>|<url>"),
+    ],
+)
+def test_bad_entries_say_why(changes, problem):
+    assert problem in entry_problem(*_entry(**changes))
+
+
+@pytest.mark.parametrize("entry", [None, [], "x", 3])
+def test_entries_that_are_not_objects(entry):
+    assert entry_problem(b"k", entry) == "not a JSON object"
