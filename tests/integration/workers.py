@@ -27,9 +27,9 @@ def write_topology(tmp_path: Path, topic: str, **options) -> Path:
 class Worker:
     """A `ksow up` subprocess; its log is kept for assertions and for failure reports."""
 
-    def __init__(self, bootstrap: str, topology: Path, group: str, data_dir: Path, name: str = "w"):
+    def __init__(self, bootstrap: str, topology: Path, group: str, data_dir: Path, name: str = "w", extra_args: tuple[str, ...] = ()):
         self.args = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(topology),
-                     "--group", group, "--data-dir", str(data_dir), "--loglevel", "info"]
+                     "--group", group, "--data-dir", str(data_dir), "--loglevel", "info", *extra_args]
         self.log_path = data_dir.parent / f"{name}-{data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
         self._offset = 0
