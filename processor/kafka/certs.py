@@ -36,11 +36,11 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_server_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 30) -> ServerTls:
+def make_server_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 365) -> ServerTls:
     """Write a new CA and a server certificate for `hosts` (IP addresses or DNS names) into
     `directory`; the key file is readable by its owner only."""
     directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     valid_from, valid_to = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())

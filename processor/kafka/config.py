@@ -100,11 +100,10 @@ def load_kafka_config(path: str | os.PathLike | None = None, environ: Mapping[st
     for variable in sorted(environ):
         if variable.startswith(ENV_PREFIX) and variable not in NOT_PROPERTIES:
             name = env_property(variable)
-            problem = _check_one(name, environ[variable])
-            if problem is None or not problem.startswith("No such configuration property"):
+            if _is_property(name):
                 settings.append((name, environ[variable], f"env {variable}"))
             elif name.startswith(STRICT_FAMILIES):
-                raise ConfigError(f"env {variable}: {problem}")
+                raise ConfigError(f"env {variable}: No such configuration property: {name!r}")
     return _validated(settings)
 
 
@@ -136,6 +135,11 @@ def _masked(name: str, value: str) -> str:
 
 def _check_one(name: str, value: str) -> str | None:
     return _check({name: value})
+
+
+def _is_property(name: str) -> bool:
+    problem = _check_one(name, "")
+    return problem is None or not problem.startswith("No such configuration property")
 
 
 def _check(properties: Mapping[str, str]) -> str | None:

@@ -540,19 +540,18 @@ class EmbeddedKafka:
         """Format with the SCRAM users in the bootstrap metadata (the cached checkpoint has none,
         and SCRAM credentials cannot be created over a listener that already requires them)."""
         assert self.data_dir is not None
-        props = self.data_dir / "format.properties"
-        _write_properties(props, self._server_config(9092, 9093))
-        log4j = self.data_dir / "log4j2.properties"
-        log4j.write_text(LOG4J2_PROPERTIES)
-        users = [f"{SCRAM_MECHANISM}=[name={user},password={password}]" for user, password in self._passwords.items()]
-        cmd = [
-            java_executable(), f"-Dlog4j2.configurationFile={log4j}",
-            "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
-            "-t", _kafka_uuid(), "-c", str(props),
-        ]  # fmt: skip
-        for user in users:
-            cmd += ["--add-scram", user]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(prefix="ksow-format-") as tmp:
+            props, log4j = Path(tmp) / "server.properties", Path(tmp) / "log4j2.properties"
+            _write_properties(props, self._server_config(9092, 9093))  # the ports do not matter here
+            log4j.write_text(LOG4J2_PROPERTIES)
+            cmd = [
+                java_executable(), f"-Dlog4j2.configurationFile={log4j}",
+                "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
+                "-t", _kafka_uuid(), "-c", str(props),
+            ]  # fmt: skip
+            for user, password in self._passwords.items():
+                cmd += ["--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={password}]"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not (self.data_dir / "kraft" / "meta.properties").is_file():
             out = (done.stdout + done.stderr).strip()[-3000:]
             raise BrokerError(f"kafka StorageTool format failed:\n{out}")

@@ -19,7 +19,15 @@ import pytest
 from confluent_kafka import KafkaException, TopicPartition
 
 from processor.contract import headers as H
-from processor.kafka.clients import end_offsets, ensure_topics, make_admin, make_consumer, make_producer, read_until, topic_configs
+from processor.kafka.clients import (
+    end_offsets,
+    ensure_topics,
+    make_admin,
+    make_consumer,
+    make_producer,
+    read_until,
+    topic_configs,
+)
 from processor.kafka.config import load_kafka_config, use_kafka_config
 from processor.kafka.embedded import EmbeddedKafka
 from processor.topology import load_topology
@@ -57,7 +65,7 @@ def topic(secured, as_admin, tmp_path):
 
 def ksow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_") and k != "KSOW_KAFKA_CONFIG"}
-    return subprocess.run([sys.executable, "-m", "processor.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "processor.cli", *args], capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
 def read_topic(bootstrap: str, topic: str, partitions: int = 2) -> list:
@@ -168,3 +176,12 @@ def test_worker_keeps_the_sow_on_the_secured_broker(secured, as_admin, tmp_path)
         assert sorted(orjson.loads(m.value())["id"] for m in records) == list(range(5))
     finally:
         worker.stop()
+
+
+def test_secured_broker_restarts_on_its_data_dir_with_the_same_credentials(tmp_path):
+    with EmbeddedKafka(secured=True, data_dir=tmp_path / "kafka") as first:
+        config = dict(first.client_config)
+        make_admin(first.bootstrap, **config).list_topics(timeout=30)
+    with EmbeddedKafka(secured=True, data_dir=tmp_path / "kafka") as again:
+        assert again.client_config == config
+        assert 1 in make_admin(again.bootstrap, **config).list_topics(timeout=30).brokers

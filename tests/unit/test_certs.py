@@ -16,7 +16,7 @@ from processor.kafka.certs import make_server_tls
 def _verify(tls, subject) -> None:
     ca = x509.load_pem_x509_certificate(tls.ca.read_bytes())
     leaf, *chain = x509.load_pem_x509_certificates(tls.keystore.read_bytes())
-    verifier = PolicyBuilder().store(Store([ca])).time(datetime.datetime.now(datetime.timezone.utc)).build_server_verifier(subject)
+    verifier = PolicyBuilder().store(Store([ca])).time(datetime.datetime.now(datetime.UTC)).build_server_verifier(subject)
     verifier.verify(leaf, chain)
 
 
