@@ -185,3 +185,19 @@ def test_secured_broker_restarts_on_its_data_dir_with_the_same_credentials(tmp_p
     with EmbeddedKafka(secured=True, data_dir=tmp_path / "kafka") as again:
         assert again.client_config == config
         assert 1 in make_admin(again.bootstrap, **config).list_topics(timeout=30).brokers
+
+
+def test_ksow_broker_secured_prints_address_then_client_config():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    proc = subprocess.Popen([sys.executable, "-m", "processor.cli", "broker", "--secured"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        bootstrap, config_path = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+        config = load_kafka_config(config_path, {})
+        assert config.bootstrap == bootstrap and config.properties["security.protocol"] == "SASL_SSL"
+        assert 1 in make_admin(bootstrap, **config.properties).list_topics(timeout=30).brokers
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
