@@ -147,6 +147,11 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, loglevel, engin
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
     (see docs/spark.md); `--data-dir`, `--web-port` and `--web-host` are for the Faust engine only.
     """
+    from processor.kafka.config import kafka_config
+
+    settings = kafka_config().describe()
+    if settings:  # what a worker connects with belongs in its log (secrets masked)
+        click.echo(f"Kafka client settings:\n{settings}", err=True)
     if engine == "spark":
         _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
         return
