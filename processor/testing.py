@@ -90,9 +90,9 @@ def read_topic(bootstrap: str, topic: str, partitions: Iterable[int] | None = No
 class WorkerProcess:
     """A `ksow up` subprocess whose log is kept for assertions and failure reports."""
 
-    def __init__(self, bootstrap: str, topology: Path, group: str, data_dir: Path, name: str = "w", extra: Iterable[str] = (), env: dict | None = None):
+    def __init__(self, bootstrap: str, topology: Path, group: str, data_dir: Path, name: str = "w", extra_args: Iterable[str] = (), env: dict | None = None):
         self.args = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(topology),
-                     "--group", group, "--data-dir", str(data_dir), "--loglevel", "info", *extra]
+                     "--group", group, "--data-dir", str(data_dir), "--loglevel", "info", *extra_args]
         self.log_path = data_dir.parent / f"{name}-{data_dir.name}.log"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None

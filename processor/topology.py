@@ -208,6 +208,10 @@ class Topology(BaseModel):
 
     sow: list[SowTopic] = Field(default_factory=list)
     views: list[View] = Field(default_factory=list)
+    # For the topics ksow creates; None: min(3, brokers) and min(2, replication_factor).
+    # KSOW_REPLICATION_FACTOR / KSOW_MIN_INSYNC_REPLICAS override them (processor.kafka.clients).
+    replication_factor: int | None = Field(default=None, ge=1)
+    min_insync_replicas: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _references(self) -> "Topology":
@@ -220,6 +224,8 @@ class Topology(BaseModel):
         view_names = [v.name for v in self.views]
         if len(set(view_names)) != len(view_names) or set(view_names) & set(names):
             raise ValueError("view names must be unique and differ from SOW topic names")
+        if self.replication_factor and self.min_insync_replicas and self.min_insync_replicas > self.replication_factor:
+            raise ValueError(f"min_insync_replicas {self.min_insync_replicas} is above replication_factor {self.replication_factor}")
         return self
 
     def views_of(self, topic: str) -> list["View"]:

@@ -106,10 +106,12 @@ def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict 
     """The raw input messages (Spark's Kafka batch source), from the start or from the first
     offset whose timestamp is >= `starting_timestamp`, with big fetches: Spark's defaults (500
     records per poll, 1 MB per partition) made reading 3x slower here."""
+    from processor.kafka.config import spark_kafka_options
+
     ends = ends or input_offsets(bootstrap, spec)
     reader = (
         spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**spark_kafka_options(bootstrap))
         .option("subscribe", f"{spec.topic},{spec.delta_topic}")
         .option("includeHeaders", "true")
         .option("startingOffsets", "earliest")

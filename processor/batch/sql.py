@@ -32,11 +32,13 @@ def current_sow(spark: SparkSession, bootstrap: str, spec: SowTopic) -> DataFram
     """The SOW as `<topic>.sow` holds it now: one row per SowKey, fields as columns."""
     from pyspark.sql import functions as F
 
+    from processor.kafka.config import spark_kafka_options
+
     if spec.message_type is not MessageType.JSON:
         raise ValueError(f"{spec.topic}: ksow sql reads JSON topics (message_type {spec.message_type.value})")
     raw = (
         spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**spark_kafka_options(bootstrap))
         .option("subscribe", spec.sow_topic)
         .option("startingOffsets", "earliest")
         .option("endingOffsets", "latest")

@@ -9,10 +9,9 @@ from pathlib import Path
 import click
 import orjson
 
+from processor.cli.options import connection
 from processor.topology import TopologyError, load_topology
 
-BOOTSTRAP = click.option("--bootstrap", envvar="KAFKA_BOOTSTRAP", default=None, help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP).")
-TOPOLOGY = click.option("--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False), help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).")
 
 
 def _print(obj) -> None:
@@ -56,7 +55,24 @@ def _split(text: str | None) -> list[str] | None:
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
-@click.group()
+class _Commands(click.Group):
+    """Errors meant for the user (bad settings, a cluster that refuses us) end the command with
+    one line and exit status 1, not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        from confluent_kafka import KafkaException
+
+        from processor.contract.errors import KsowError
+
+        try:
+            return super().invoke(ctx)
+        except KsowError as exc:
+            raise click.ClickException(str(exc)) from None
+        except KafkaException as exc:
+            raise click.ClickException(f"Kafka: {exc.args[0].str() if exc.args else exc}") from None
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="ksow")
 def main() -> None:
     """ksow: State of the World for Kafka."""
@@ -64,16 +80,22 @@ def main() -> None:
 
 @main.command()
 @click.option("--port", type=int, default=None, help="Port to listen on (default: a free one).")
-def broker(port: int | None) -> None:
+@click.option("--secured", is_flag=True,
+              help="SASL/SCRAM-SHA-512 over TLS with an authorizer; the second line of output is the client "
+              "properties file to pass as --kafka-config.")
+def broker(port: int | None, secured: bool) -> None:
     """Run the embedded Kafka broker in the foreground; first line: its bootstrap address."""
     from processor.kafka.embedded import run_foreground
 
-    run_foreground(port)
+    run_foreground(port, secured=secured)
 
 
 @contextlib.contextmanager
 def _bootstrap_or_embedded(bootstrap: str | None):
     """Yield a bootstrap address; without one, start the embedded broker for the duration."""
+    from processor.kafka.clients import resolve_bootstrap
+
+    bootstrap = resolve_bootstrap(bootstrap)
     if bootstrap:
         yield bootstrap
         return
@@ -137,8 +159,7 @@ def _worker_options(fn):
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @_worker_options
 @click.option("--loglevel", default="info", show_default=True)
 @click.option("--engine", type=click.Choice(["faust", "spark"]), default="faust", show_default=True, envvar="KSOW_ENGINE",
@@ -153,6 +174,11 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
     (see docs/spark.md); `--data-dir`, `--web-port` and `--web-host` are for the Faust engine only.
     """
+    from processor.kafka.config import kafka_config
+
+    settings = kafka_config().describe()
+    if settings:  # what a worker connects with belongs in its log (secrets masked)
+        click.echo(f"Kafka client settings:\n{settings}", err=True)
     if engine == "spark":
         _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
         return
@@ -209,8 +235,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @click.option("--duration", default=60.0, show_default=True, help="Seconds to run (0: until Ctrl-C).")
 def demo(bootstrap, topology, duration) -> None:
     """`up` plus a sample publisher and a live subscriber: SOW, deltas and expiry at work."""
@@ -221,8 +246,7 @@ def demo(bootstrap, topology, duration) -> None:
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @click.argument("topic")
 @click.argument("record", required=False)
 @click.option("--delta", is_flag=True, help="delta_publish: merge into the existing record.")
@@ -253,8 +277,7 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, grou
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None, help="Delete every record matching this filter.")
 @click.option("--keys", default=None, help="Comma-separated SowKeys to delete.")
@@ -274,8 +297,7 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @GROUP
 @WEB_TOKEN
 @click.argument("topic")
@@ -293,8 +315,7 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 
 
 @main.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None)
 @click.option("--sow", is_flag=True, help="Start with the current SOW (sow_and_subscribe).")

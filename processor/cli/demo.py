@@ -88,9 +88,9 @@ def run_demo(bootstrap: str, topology_path: str | None, duration: float) -> None
 
 
 def _wait_for_topics(client: Client, topic: str, worker: subprocess.Popen, timeout: float = 120) -> None:
-    from confluent_kafka.admin import AdminClient
+    from processor.kafka.clients import make_admin
 
-    admin = AdminClient({"bootstrap.servers": client.bootstrap})
+    admin = make_admin(client.bootstrap)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if worker.poll() is not None:

@@ -15,9 +15,9 @@ from decimal import Decimal
 import click
 import orjson
 
+from processor.cli.options import connection
+
 MASTER = click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="Spark master (env KSOW_SPARK_MASTER), e.g. local[2], spark://host:7077, yarn.")
-BOOTSTRAP = click.option("--bootstrap", envvar="KAFKA_BOOTSTRAP", default=None, help="Kafka bootstrap servers (env KAFKA_BOOTSTRAP).")
-TOPOLOGY = click.option("--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False), help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).")
 
 
 def _write(line: bytes) -> None:
@@ -74,8 +74,7 @@ def _json_default(value):
 
 
 @click.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @MASTER
 @click.argument("topic")
 @click.option("--as-of", "as_of", required=True, help="The instant: epoch milliseconds or ISO-8601 (UTC unless a zone is given).")
@@ -118,8 +117,7 @@ def _print_parquet(path: str) -> None:
 
 
 @click.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @MASTER
 @click.argument("topic")
 @click.option("--from", "start", required=True, help="Start instant: epoch milliseconds or ISO-8601.")
@@ -141,8 +139,7 @@ def replay(bootstrap, topology, master, topic, start, end) -> None:
 
 
 @click.command()
-@BOOTSTRAP
-@TOPOLOGY
+@connection
 @MASTER
 @click.argument("query")
 @click.option("--out", default=None, type=click.Path(), help="Write the result as Parquet here instead of JSON lines.")

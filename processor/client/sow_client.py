@@ -72,6 +72,7 @@ class Client:
         self.last_query_source: str | None = None
         self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
+        self._producer_error: KafkaError | None = None
 
     # helpers ------------------------------------------------------------------------------
     def spec(self, topic: str) -> SowTopic:
@@ -88,8 +89,12 @@ class Client:
     @property
     def producer(self):
         if self._producer is None:
-            self._producer = make_producer(self.bootstrap)
+            self._producer = make_producer(self.bootstrap, error_cb=self._remember_error)
         return self._producer
+
+    def _remember_error(self, error: KafkaError) -> None:
+        """Keep the producer's last error: a flush that times out says why (refused login, ...)."""
+        self._producer_error = error
 
     def _encode(self, spec: SowTopic, record: Any) -> tuple[bytes, dict]:
         codec = self.codec(spec)
@@ -185,7 +190,8 @@ class Client:
 
     def flush(self, timeout: float = 30.0) -> None:
         if self._producer is not None and self._producer.flush(timeout) > 0:
-            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "messages not delivered in time"))
+            cause = f" (last error: {self._producer_error.str()})" if self._producer_error is not None else ""
+            raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, f"messages not delivered in {timeout:g}s{cause}"))
 
     def close(self) -> None:
         self.flush()

@@ -9,7 +9,9 @@ from typing import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from processor.contract.errors import ConfigError
 from processor.contract.limits import read_idle_timeout
+from processor.kafka.config import kafka_config
 from processor.topology import SowTopic
 
 # librdkafka's default 1 s fetch-queue backoff stalls loops that read to the end of a partition.
@@ -17,12 +19,22 @@ _FAST_FETCH = {"fetch.queue.backoff.ms": 20, "fetch.wait.max.ms": 50}
 
 
 def resolve_bootstrap(bootstrap: str | None) -> str | None:
-    return bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or None
+    """--bootstrap, else $KAFKA_BOOTSTRAP, else bootstrap.servers of the Kafka client config."""
+    return bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or kafka_config().bootstrap
+
+
+def _client_config(bootstrap: str, defaults: dict, overrides: dict) -> dict:
+    """ksow's defaults, then the deployment's settings (security, tuning: processor.kafka.config),
+    then what the caller needs for this client."""
+    return {**defaults, **kafka_config().properties, **overrides, "bootstrap.servers": bootstrap}
+
+
+def make_admin(bootstrap: str, **overrides) -> AdminClient:
+    return AdminClient(_client_config(bootstrap, {}, overrides))
 
 
 def make_producer(bootstrap: str, **overrides) -> Producer:
-    config = {
-        "bootstrap.servers": bootstrap,
+    defaults = {
         "linger.ms": 5,
         "batch.size": 1_000_000,
         "compression.type": "lz4",
@@ -31,25 +43,18 @@ def make_producer(bootstrap: str, **overrides) -> Producer:
         "queue.buffering.max.messages": 1_000_000,
         "partitioner": "murmur2_random",  # the Java client's default: a SowKey lands on its owner partition
     }
-    config.update(overrides)
-    return Producer(config)
-
-
-def make_admin(bootstrap: str, **overrides) -> AdminClient:
-    return AdminClient({"bootstrap.servers": bootstrap, **overrides})
+    return Producer(_client_config(bootstrap, defaults, overrides))
 
 
 def make_consumer(bootstrap: str, group: str | None = None, **overrides) -> Consumer:
-    config = {
-        "bootstrap.servers": bootstrap,
+    defaults = {
         "group.id": group or f"ksow-reader-{os.getpid()}-{time.monotonic_ns()}",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "enable.partition.eof": True,
         **_FAST_FETCH,
     }
-    config.update(overrides)
-    return Consumer(config)
+    return Consumer(_client_config(bootstrap, defaults, overrides))
 
 
 def produce(producer: Producer, topic: str, value, key=None, partition: int | None = None, headers=None, on_delivery=None, timestamp: int = 0) -> None:
@@ -96,15 +101,61 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     return topics
 
 
-def ensure_topics(admin: AdminClient, wanted: dict[str, tuple[int, dict[str, str]]], timeout: float = 30.0) -> None:
-    """Create missing topics (existing ones are left as they are), then wait until all are visible."""
-    existing = set(admin.list_topics(timeout=timeout).topics)
-    new = [
-        NewTopic(name, num_partitions=n, replication_factor=-1, config=cfg)
-        for name, (n, cfg) in wanted.items()
-        if name not in existing
-    ]
-    if new:
+REPLICATION_FACTOR_ENV = "KSOW_REPLICATION_FACTOR"
+MIN_INSYNC_REPLICAS_ENV = "KSOW_MIN_INSYNC_REPLICAS"
+
+
+def replication_settings(brokers: int, factor: int | None = None, min_insync: int | None = None) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for the topics ksow creates.
+
+    Defaults: a factor of min(3, brokers), so `.sow` (the source of truth) survives the loss of
+    a broker wherever the cluster allows it, and min.insync.replicas of min(2, factor), so an
+    acknowledged write (acks=all) is on two brokers before it counts.
+    """
+    factor = min(3, brokers) if factor is None else factor
+    if not 1 <= factor <= brokers:
+        raise ConfigError(f"replication factor {factor} does not fit a cluster of {brokers} broker(s)")
+    min_insync = min(2, factor) if min_insync is None else min_insync
+    if not 1 <= min_insync <= factor:
+        raise ConfigError(f"min.insync.replicas {min_insync} must be between 1 and the replication factor {factor}")
+    return factor, min_insync
+
+
+def _env_count(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"{name}={raw!r}: expected a whole number")
+    return int(raw)
+
+
+def ensure_topics(
+    admin: AdminClient,
+    wanted: dict[str, tuple[int, dict[str, str]]],
+    timeout: float = 30.0,
+    replication_factor: int | None = None,
+    min_insync_replicas: int | None = None,
+) -> None:
+    """Create missing topics (existing ones are left as they are), then wait until all are visible.
+
+    New topics get `replication_settings` (the arguments, e.g. from the topology; env
+    KSOW_REPLICATION_FACTOR and KSOW_MIN_INSYNC_REPLICAS override them) unless their configs
+    already say min.insync.replicas.
+    """
+    meta = admin.list_topics(timeout=timeout)
+    missing = {name: spec for name, spec in wanted.items() if name not in meta.topics}
+    if missing:
+        env_factor, env_min_insync = _env_count(REPLICATION_FACTOR_ENV), _env_count(MIN_INSYNC_REPLICAS_ENV)
+        factor, min_insync = replication_settings(
+            len(meta.brokers),
+            replication_factor if env_factor is None else env_factor,
+            min_insync_replicas if env_min_insync is None else env_min_insync,
+        )
+        new = [
+            NewTopic(name, num_partitions=n, replication_factor=factor, config={"min.insync.replicas": str(min_insync), **cfg})
+            for name, (n, cfg) in missing.items()
+        ]
         for name, future in admin.create_topics(new, operation_timeout=timeout).items():
             try:
                 future.result()

@@ -12,7 +12,9 @@ import base64
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -121,6 +123,15 @@ BASE_CONFIG: dict[str, str] = {
     "background.threads": "4",
     "num.recovery.threads.per.data.dir": "1",
 }
+
+# Secured mode: clients authenticate with SCRAM-SHA-512 over TLS on the client listener; the
+# controller listener (loopback only) takes SASL/PLAIN, so that every principal the authorizer
+# sees is a named user and no anonymous connection is a super user.
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+ADMIN_USER = "admin"
+BROKER_USER = "broker"
+_SCRAM_LOGIN = "org.apache.kafka.common.security.scram.ScramLoginModule"
+_PLAIN_LOGIN = "org.apache.kafka.common.security.plain.PlainLoginModule"
 
 _TEMP_PREFIX = "ksow-kafka-"
 _OWNER_FILE = "owner.pid"
@@ -365,6 +376,12 @@ class EmbeddedKafka:
     ``data_dir`` the data lives in a temp dir removed on stop; with one, the data
     persists and a later broker on the same dir restarts from it (recovery tests).
     ``config`` overrides or adds broker properties.
+
+    ``secured=True``: the client listener takes SASL_SSL only (SCRAM-SHA-512, a CA and server
+    certificate made at first start), an authorizer lets nothing through without an ACL, and
+    the users ``admin`` and ``broker`` are super users. ``client_config`` (and the file at
+    ``client_config_path``, for ``--kafka-config``) is what a client needs to connect as admin.
+    Passwords and certificates live in the data dir, so a restart on it keeps them.
     """
 
     def __init__(
@@ -375,6 +392,7 @@ class EmbeddedKafka:
         config: Mapping[str, str] | None = None,
         heap: str = "512m",
         startup_timeout: float = 90.0,
+        secured: bool = False,
     ) -> None:
         self.requested_port = port
         self.port: int | None = port
@@ -384,6 +402,8 @@ class EmbeddedKafka:
         self.overrides = dict(config or {})
         self.heap = heap
         self.startup_timeout = startup_timeout
+        self.secured = secured
+        self._passwords: dict[str, str] = {}
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
         self._own_dir = False
@@ -396,6 +416,34 @@ class EmbeddedKafka:
         if self.port is None:
             raise BrokerError("broker not started")
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def client_config(self) -> dict[str, str]:
+        """librdkafka properties a client needs besides bootstrap.servers ({} when unsecured)."""
+        if not self.secured:
+            return {}
+        if not self._passwords:
+            raise BrokerError("broker not started")
+        return {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": SCRAM_MECHANISM,
+            "sasl.username": ADMIN_USER,
+            "sasl.password": self._passwords[ADMIN_USER],
+            "ssl.ca.location": str(self._security_dir / "ca.pem"),
+        }
+
+    @property
+    def client_config_path(self) -> Path:
+        """A properties file with bootstrap.servers and `client_config`, written at start."""
+        if not self.secured:
+            raise BrokerError("client_config_path exists for a secured broker only")
+        return self._security_dir / "client.properties"
+
+    @property
+    def _security_dir(self) -> Path:
+        if self.data_dir is None:
+            raise BrokerError("broker not started")
+        return self.data_dir / "security"
 
     @property
     def log_path(self) -> Path:
@@ -422,8 +470,12 @@ class EmbeddedKafka:
             self._own_dir = True
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
+            if self.secured:
+                self._prepare_security()
             self._format(libs)
             self._launch_until_ready(libs, began)
+            if self.secured:
+                _write_properties(self.client_config_path, {"bootstrap.servers": self.bootstrap, **self.client_config})
         except BaseException:
             self._terminate()
             self._cleanup_dir()
@@ -471,6 +523,9 @@ class EmbeddedKafka:
         kraft = self.data_dir / "kraft"
         if (kraft / "meta.properties").is_file():
             return  # existing data: restart from it
+        if self.secured:
+            self._format_with_users(libs)
+            return
         kraft.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(_bootstrap_checkpoint(libs), kraft / "bootstrap.checkpoint")
         meta = {
@@ -481,22 +536,92 @@ class EmbeddedKafka:
         }
         _write_properties(kraft / "meta.properties", meta)
 
-    def _launch(self, libs: Path) -> None:
+    def _format_with_users(self, libs: Path) -> None:
+        """Format with the SCRAM users in the bootstrap metadata (the cached checkpoint has none,
+        and SCRAM credentials cannot be created over a listener that already requires them)."""
+        assert self.data_dir is not None
+        with tempfile.TemporaryDirectory(prefix="ksow-format-") as tmp:
+            props, log4j = Path(tmp) / "server.properties", Path(tmp) / "log4j2.properties"
+            _write_properties(props, self._server_config(9092, 9093))  # the ports do not matter here
+            log4j.write_text(LOG4J2_PROPERTIES)
+            cmd = [
+                java_executable(), f"-Dlog4j2.configurationFile={log4j}",
+                "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
+                "-t", _kafka_uuid(), "-c", str(props),
+            ]  # fmt: skip
+            for user, password in self._passwords.items():
+                cmd += ["--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={password}]"]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not (self.data_dir / "kraft" / "meta.properties").is_file():
+            out = (done.stdout + done.stderr).strip()[-3000:]
+            raise BrokerError(f"kafka StorageTool format failed:\n{out}")
+
+    def _prepare_security(self) -> None:
+        """Passwords and TLS files: made at the first start, reused on a restart."""
+        from processor.kafka.certs import make_server_tls
+
+        folder = self._security_dir
+        folder.mkdir(mode=0o700, exist_ok=True)
+        saved = folder / "passwords.json"
+        if saved.is_file():
+            self._passwords = json.loads(saved.read_text())
+            return
+        make_server_tls(folder)
+        self._passwords = {ADMIN_USER: secrets.token_urlsafe(24), BROKER_USER: secrets.token_urlsafe(24)}
+        saved.touch(mode=0o600)
+        saved.write_text(json.dumps(self._passwords))
+
+    def _server_config(self, port: int, controller_port: int) -> dict[str, str]:
         assert self.data_dir is not None
         config = dict(BASE_CONFIG)
         config.update(
             {
                 "log.dirs": str(self.data_dir / "kraft"),
                 "num.partitions": str(self.partitions),
-                "controller.quorum.voters": f"{NODE_ID}@127.0.0.1:{self.controller_port}",
-                "listeners": f"PLAINTEXT://127.0.0.1:{self.port},"
-                f"CONTROLLER://127.0.0.1:{self.controller_port}",
-                "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+                "controller.quorum.voters": f"{NODE_ID}@127.0.0.1:{controller_port}",
+                "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+                "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
             }
         )
+        if self.secured:
+            config.update(self._secured_config(port, controller_port))
         config.update(self.overrides)
+        return config
+
+    def _secured_config(self, port: int, controller_port: int) -> dict[str, str]:
+        """SASL_SSL (SCRAM) for clients and the broker itself, SASL/PLAIN for the controller."""
+        folder = self._security_dir
+        broker_password = self._passwords[BROKER_USER]
+        return {
+            "listeners": f"CLIENT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"CLIENT://127.0.0.1:{port}",
+            "listener.security.protocol.map": "CLIENT:SASL_SSL,CONTROLLER:SASL_PLAINTEXT",
+            "inter.broker.listener.name": "CLIENT",
+            "sasl.mechanism.inter.broker.protocol": SCRAM_MECHANISM,
+            "listener.name.client.sasl.enabled.mechanisms": SCRAM_MECHANISM,
+            f"listener.name.client.{SCRAM_MECHANISM.lower()}.sasl.jaas.config": (
+                f'{_SCRAM_LOGIN} required username="{BROKER_USER}" password="{broker_password}";'
+            ),
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config": (
+                f'{_PLAIN_LOGIN} required username="{BROKER_USER}" password="{broker_password}" '
+                f'user_{BROKER_USER}="{broker_password}";'
+            ),
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(folder / "server-keystore.pem"),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(folder / "ca.pem"),
+            "ssl.client.auth": "none",
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": f"User:{BROKER_USER};User:{ADMIN_USER}",
+        }
+
+    def _launch(self, libs: Path) -> None:
+        assert self.data_dir is not None and self.port is not None and self.controller_port is not None
         props = self.data_dir / "server.properties"
-        _write_properties(props, config)
+        _write_properties(props, self._server_config(self.port, self.controller_port))
         log4j = self.data_dir / "log4j2.properties"
         log4j.write_text(LOG4J2_PROPERTIES)
         cmd = [
@@ -535,7 +660,7 @@ class EmbeddedKafka:
                 )
             if _port_open(self.port):
                 if admin is None:
-                    admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+                    admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0, **self.client_config})
                 try:
                     if NODE_ID in admin.list_topics(timeout=2).brokers:
                         return
@@ -564,11 +689,12 @@ class EmbeddedKafka:
 # ---------------------------------------------------------------- `ksow broker`
 
 
-def run_foreground(port: int | None = None, data_dir: Path | str | None = None) -> None:
+def run_foreground(port: int | None = None, data_dir: Path | str | None = None, secured: bool = False) -> None:
     """Run a broker until Ctrl-C or SIGTERM (the `ksow broker` command).
 
     The bootstrap address is the first line of stdout so scripts can read it; every
-    other message goes to stderr.
+    other message goes to stderr. Secured, the second line of stdout is the path of the
+    client properties file (for `--kafka-config` / KSOW_KAFKA_CONFIG).
     """
     stop = threading.Event()
 
@@ -577,14 +703,23 @@ def run_foreground(port: int | None = None, data_dir: Path | str | None = None) 
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with EmbeddedKafka(port=port, data_dir=data_dir) as kafka:
+        with EmbeddedKafka(port=port, data_dir=data_dir, secured=secured) as kafka:
             print(kafka.bootstrap, flush=True)
+            if secured:
+                print(kafka.client_config_path, flush=True)
             print(
                 f"Kafka {KAFKA_VERSION} (KRaft) ready at {kafka.bootstrap} in "
                 f"{kafka.startup_seconds:.1f}s; log: {kafka.log_path}; Ctrl-C stops it",
                 file=sys.stderr,
                 flush=True,
             )
+            if secured:
+                print(
+                    f"secured: SASL_SSL with {SCRAM_MECHANISM}, user {ADMIN_USER} (a super user); "
+                    f"clients: --kafka-config {kafka.client_config_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             while not stop.wait(0.5):
                 if not kafka.running:
                     code = kafka.process.returncode if kafka.process else None

@@ -25,8 +25,13 @@ REFRESH_S = 3.0
 STALE_MS = 12_000
 
 
-def ensure_registry(admin) -> None:
-    ensure_topics(admin, {REGISTRY_TOPIC: (1, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})})
+def ensure_registry(admin, replication_factor: int | None = None, min_insync_replicas: int | None = None) -> None:
+    ensure_topics(
+        admin,
+        {REGISTRY_TOPIC: (1, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})},
+        replication_factor=replication_factor,
+        min_insync_replicas=min_insync_replicas,
+    )
 
 
 def announcement(group: str, url: str, served: dict[str, list[int]]) -> tuple[bytes, bytes]:

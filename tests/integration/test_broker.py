@@ -184,7 +184,7 @@ def _read_line(stream, timeout: float) -> str:  # type: ignore[no-untyped-def]
 @needs_java
 def test_run_foreground_prints_address_first_and_stops_on_sigterm():
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from processor.broker.embedded import run_foreground; "
+        [sys.executable, "-c", "from processor.kafka.embedded import run_foreground; "
          "run_foreground(None)"],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -209,7 +209,7 @@ def test_run_foreground_prints_address_first_and_stops_on_sigterm():
 def test_broker_jvm_dies_with_a_killed_parent():
     script = (
         "import sys, time\n"
-        "from processor.broker.embedded import EmbeddedKafka\n"
+        "from processor.kafka.embedded import EmbeddedKafka\n"
         "k = EmbeddedKafka().start()\n"
         "print(k.process.pid, k.data_dir, flush=True)\n"
         "time.sleep(600)\n"

@@ -1,5 +1,7 @@
 """The command line's answers to bad input: a clear message and exit status 1, nothing sent."""
 
+import os
+
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -48,3 +50,30 @@ def test_unknown_topic_and_bad_topology(run, tmp_path):
 def test_delete_needs_exactly_one_selector(run):
     result = run("delete", "orders", *NOWHERE)
     assert result.exit_code == 1 and "exactly one of" in result.output
+
+
+@pytest.fixture
+def clean_kafka_env(monkeypatch):
+    """`--kafka-config` writes KSOW_KAFKA_CONFIG into this process's environment: undo it."""
+    monkeypatch.setenv("KSOW_KAFKA_CONFIG", "")
+    for name in [n for n in os.environ if n.startswith("KAFKA_")]:
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_bad_kafka_config_is_a_clear_error_before_connecting(run, tmp_path, clean_kafka_env):
+    path = tmp_path / "client.properties"
+    path.write_text("security.protocol=SASL_SSL\nsasl.mechanism SCRAM-SHA-512\n")
+    result = run("publish", "orders", *NOWHERE, "--kafka-config", str(path), '{"order_id": 1}')
+    assert result.exit_code == 1 and f"{path}:2: expected name=value" in result.output
+    clean_kafka_env.setenv("KSOW_KAFKA_CONFIG", "")  # the run above exported its file
+    clean_kafka_env.setenv("KAFKA_SECURITY_PROTOCOL", "TLS")
+    result = run("query", "orders", *NOWHERE)
+    assert result.exit_code == 1 and "env KAFKA_SECURITY_PROTOCOL: security.protocol=TLS: Invalid value" in result.output
+
+
+def test_every_command_that_connects_takes_kafka_config(run):
+    for name, command in main.commands.items():
+        options = {opt for param in command.params for opt in param.opts}
+        assert ("--kafka-config" in options) == (name != "broker"), name
+    assert "--secured" in run("broker", "--help").output

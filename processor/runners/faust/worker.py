@@ -125,8 +125,9 @@ class SowWorker:
         wanted: dict = {}
         for engine in self.loop.engines.values():
             wanted.update(topic_configs(engine.spec, [v.view for v in engine.views]))
-        ensure_topics(admin, wanted)
-        ensure_registry(admin)
+        replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
+        ensure_topics(admin, wanted, **replication)
+        ensure_registry(admin, **replication)
         for engine in self.loop.engines.values():
             check_partitions(admin, engine.spec)
 

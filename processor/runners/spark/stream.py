@@ -231,11 +231,12 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
     from pyspark.sql import functions as F
 
     from processor.batch.snapshot import history_columns
+    from processor.kafka.config import spark_kafka_options
 
     route = F.udf(Router(spec, base), ROUTE_SCHEMA, useArrow=True)
     raw = (
         spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**spark_kafka_options(bootstrap))
         .option("subscribe", f"{spec.topic},{spec.delta_topic}")
         .option("includeHeaders", "true")
         .option("startingOffsets", starting_offsets)
@@ -257,7 +258,7 @@ def build_query(spark, bootstrap: str, spec: SowTopic, checkpoint_dir: str | Pat
     )
     return (
         outputs.writeStream.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**spark_kafka_options(bootstrap))
         .option("checkpointLocation", str(Path(checkpoint_dir) / spec.topic))
         .option("kafka.linger.ms", "20")
         .option("kafka.compression.type", "lz4")
@@ -284,15 +285,14 @@ def run_stream(
     with the same directory to carry on where it stopped. With `block=False`, returns the
     (SparkSession, queries) for the caller to watch and stop.
     """
-    from confluent_kafka.admin import AdminClient
-
-    from processor.kafka.clients import ensure_topics, topic_configs
+    from processor.kafka.clients import ensure_topics, make_admin, topic_configs
     from processor.batch.session import get_spark
 
     check_topology(topology)
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = make_admin(bootstrap)
     for spec in topology.sow:
-        ensure_topics(admin, topic_configs(spec, topology.views_of(spec.topic)))
+        ensure_topics(admin, topic_configs(spec, topology.views_of(spec.topic)),
+                      replication_factor=topology.replication_factor, min_insync_replicas=topology.min_insync_replicas)
     spark = get_spark(master, "ksow-stream", conf)
     queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger, base=topology_dir, views=topology.views_of(spec.topic)) for spec in topology.sow]
     log.info("spark streaming: %d SOW topics, checkpoints in %s", len(queries), checkpoint_dir)

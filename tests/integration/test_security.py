@@ -1,0 +1,201 @@
+"""ksow on a secured cluster: the embedded broker in secured mode (SASL/SCRAM-SHA-512 over TLS,
+an authorizer, KRaft) and every kind of client reaching it through one Kafka client config.
+
+The broker is this module's own (the session broker is plaintext). Subprocesses get a clean
+environment without the session's KAFKA_BOOTSTRAP, so only what a test passes can connect them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import orjson
+import pytest
+from confluent_kafka import KafkaException, TopicPartition
+
+from processor.contract import headers as H
+from processor.kafka.clients import (
+    end_offsets,
+    ensure_topics,
+    make_admin,
+    make_consumer,
+    make_producer,
+    read_until,
+    topic_configs,
+)
+from processor.kafka.config import load_kafka_config, use_kafka_config
+from processor.kafka.embedded import EmbeddedKafka
+from processor.topology import load_topology
+from tests.integration.workers import Worker, wait_until, write_topology
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(shutil.which("java") is None or shutil.which("mvn") is None, reason="the embedded broker needs Java 17+ and Maven"),
+]
+
+
+@pytest.fixture(scope="module")
+def secured():
+    with EmbeddedKafka(secured=True) as kafka:
+        yield kafka
+
+
+@pytest.fixture
+def as_admin(secured):
+    """The clients of this process use the broker's admin credentials."""
+    use_kafka_config(load_kafka_config(secured.client_config_path, {}))
+    yield secured.client_config_path
+    use_kafka_config(None)
+
+
+@pytest.fixture
+def topic(secured, as_admin, tmp_path):
+    """A SOW topic with its topics created on the secured broker; yields (name, topology file)."""
+    name = f"sec_{uuid.uuid4().hex[:8]}"
+    path = write_topology(tmp_path, name, partitions=2)
+    ensure_topics(make_admin(secured.bootstrap), topic_configs(load_topology(path).sow[0]))
+    return name, path
+
+
+def ksow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_") and k != "KSOW_KAFKA_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "processor.cli", *args], capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
+def read_topic(bootstrap: str, topic: str, partitions: int = 2) -> list:
+    consumer = make_consumer(bootstrap)
+    try:
+        ends = {(topic, p): high for p, (_, high) in end_offsets(consumer, topic, range(partitions)).items()}
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        return list(read_until(consumer, ends, timeout=60))
+    finally:
+        consumer.close()
+
+
+def put_on_sow(bootstrap: str, spec, record: dict) -> str:
+    """Write a record to `<topic>.sow` as a worker would (no worker needed to query it)."""
+    key = spec.key_spec.sow_key(record)
+    producer = make_producer(bootstrap)
+    producer.produce(spec.sow_topic, orjson.dumps(record), key.encode(), headers=[(H.OP, b"insert"), (H.SEQ, b"1")])
+    assert producer.flush(30) == 0
+    return key
+
+
+def test_cli_publishes_and_queries_through_kafka_config(secured, topic):
+    name, path = topic
+    config = str(secured.client_config_path)
+    done = ksow("publish", "--bootstrap", secured.bootstrap, "--kafka-config", config, "--topology", str(path), name, '{"id": 1, "v": "cli"}')
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [orjson.loads(m.value()) for m in read_topic(secured.bootstrap, name)] == [{"id": 1, "v": "cli"}]
+
+    key = put_on_sow(secured.bootstrap, load_topology(path).sow[0], {"id": 2, "v": "sow"})
+    done = ksow("query", "--kafka-config", config, "--topology", str(path), name)  # bootstrap.servers from the file
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [orjson.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["sow_key"], r["record"]) for r in rows] == [(key, {"id": 2, "v": "sow"})]
+
+
+def test_python_client_uses_the_config(secured, topic):
+    from processor.client.sow_client import Client
+
+    name, path = topic
+    client = Client(secured.bootstrap, str(path))
+    client.publish(name, {"id": 7, "v": "py"}, delta=True)
+    client.flush()
+    assert [orjson.loads(m.value()) for m in read_topic(secured.bootstrap, f"{name}.delta")] == [{"id": 7, "v": "py"}]
+    key = put_on_sow(secured.bootstrap, client.spec(name), {"id": 8})
+    assert [(e.sow_key, e.record) for e in client.query(name)] == [(key, {"id": 8})]
+
+
+def test_clients_without_credentials_are_refused(secured, topic, tmp_path):
+    from processor.client.sow_client import Client
+
+    name, path = topic
+    began = time.monotonic()
+    done = ksow("publish", "--bootstrap", secured.bootstrap, "--topology", str(path), name, '{"id": 1}')
+    assert done.returncode == 1 and "Error: Kafka: messages not delivered" in done.stderr
+    assert time.monotonic() - began < 90
+
+    wrong = tmp_path / "wrong.properties"
+    wrong.write_text(secured.client_config_path.read_text().replace(secured.client_config["sasl.password"], "not-the-password"))
+    use_kafka_config(load_kafka_config(wrong, {}))
+    client = Client(secured.bootstrap, str(path))
+    client.publish(name, {"id": 2})
+    with pytest.raises(KafkaException, match="Authentication failed"):
+        client.flush(timeout=10)
+    with pytest.raises(KafkaException):
+        make_admin(secured.bootstrap).list_topics(timeout=5)
+
+
+@pytest.mark.spark
+def test_spark_snapshot_reads_the_secured_topics(secured, topic):
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'ksow[spark]')")
+    from processor.batch.session import get_spark
+    from processor.batch.snapshot import snapshot
+
+    name, path = topic
+    spec = load_topology(path).sow[0]
+    producer = make_producer(secured.bootstrap)
+    t0 = int(time.time() * 1000) - 60_000
+    producer.produce(name, orjson.dumps({"id": 1, "a": 1}), b"1", timestamp=t0)
+    producer.produce(f"{name}.delta", orjson.dumps({"id": 1, "b": 2}), b"1", timestamp=t0 + 1000)
+    producer.produce(name, orjson.dumps({"id": 2, "a": 3}), b"2", timestamp=t0 + 2000)
+    assert producer.flush(30) == 0
+
+    rows = snapshot(get_spark("local[2]", "ksow-secured-snapshot"), secured.bootstrap, spec, t0 + 1500).collect()
+    assert sorted(orjson.loads(r["record"]) for r in rows) == [{"id": 1, "a": 1, "b": 2}]
+
+
+def test_worker_keeps_the_sow_on_the_secured_broker(secured, as_admin, tmp_path):
+    name = f"secw_{uuid.uuid4().hex[:8]}"
+    path = write_topology(tmp_path, name, partitions=2)
+    worker = Worker(secured.bootstrap, path, f"g-{name}", tmp_path / "data", extra_args=("--kafka-config", str(as_admin)))
+    worker.start(wait=False)
+    try:
+        admin = make_admin(secured.bootstrap)
+
+        def running_and(check):
+            if worker.proc.poll() is not None:
+                raise AssertionError(f"worker exited ({worker.proc.returncode}):\n{worker.log()[-4000:]}")
+            return check()
+
+        wait_until(lambda: running_and(lambda: f"{name}.sow" in admin.list_topics(timeout=10).topics), timeout=120)
+        producer = make_producer(secured.bootstrap)
+        for i in range(5):
+            producer.produce(name, orjson.dumps({"id": i, "v": i}), str(i).encode())
+        assert producer.flush(30) == 0
+        records = wait_until(lambda: running_and(lambda: len(msgs := read_topic(secured.bootstrap, f"{name}.sow")) >= 5 and msgs), timeout=120)
+        assert sorted(orjson.loads(m.value())["id"] for m in records) == list(range(5))
+    finally:
+        worker.stop()
+
+
+def test_secured_broker_restarts_on_its_data_dir_with_the_same_credentials(tmp_path):
+    with EmbeddedKafka(secured=True, data_dir=tmp_path / "kafka") as first:
+        config = dict(first.client_config)
+        make_admin(first.bootstrap, **config).list_topics(timeout=30)
+    with EmbeddedKafka(secured=True, data_dir=tmp_path / "kafka") as again:
+        assert again.client_config == config
+        assert 1 in make_admin(again.bootstrap, **config).list_topics(timeout=30).brokers
+
+
+def test_ksow_broker_secured_prints_address_then_client_config():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    proc = subprocess.Popen([sys.executable, "-m", "processor.cli", "broker", "--secured"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        bootstrap, config_path = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+        config = load_kafka_config(config_path, {})
+        assert config.bootstrap == bootstrap and config.properties["security.protocol"] == "SASL_SSL"
+        assert 1 in make_admin(bootstrap, **config.properties).list_topics(timeout=30).brokers
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

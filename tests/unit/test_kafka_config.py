@@ -1,0 +1,220 @@
+"""The deployment's Kafka client settings: parsing, environment, validation, precedence, Spark."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from processor.contract.errors import ConfigError
+from processor.kafka.clients import _client_config
+from processor.kafka.config import (
+    KafkaConfig,
+    env_property,
+    kafka_config,
+    load_kafka_config,
+    parse_properties,
+    spark_kafka_options,
+    use_kafka_config,
+)
+
+SECURED = {
+    "security.protocol": "SASL_SSL",
+    "sasl.mechanism": "SCRAM-SHA-512",
+    "sasl.username": "ksow",
+    "sasl.password": "s3=cr\"et\\",
+}
+
+
+@pytest.fixture(autouse=True)
+def _from_environment():
+    """Every test starts (and leaves) with the configuration taken from the environment."""
+    use_kafka_config(None)
+    yield
+    use_kafka_config(None)
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "client.properties"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ the file
+
+
+def test_properties_file_lines_comments_and_values_with_equals_signs():
+    text = "# a comment\n! another\n\n  security.protocol = SASL_SSL \nsasl.password=a=b=c\n"
+    assert parse_properties(text, "f") == [
+        ("security.protocol", "SASL_SSL", "f:4"),
+        ("sasl.password", "a=b=c", "f:5"),
+    ]
+
+
+@pytest.mark.parametrize("line", ["security.protocol", "=SASL_SSL", "sasl username=x"])
+def test_malformed_line_names_file_and_line(line):
+    with pytest.raises(ConfigError, match=r"^f:2: expected name=value"):
+        parse_properties(f"# ok\n{line}\n", "f")
+
+
+def test_unknown_property_names_the_line(tmp_path):
+    path = write(tmp_path, "security.protocol=SSL\nsasl.mechanizm=PLAIN\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: sasl.mechanizm=PLAIN: No such configuration property"):
+        load_kafka_config(path, {})
+
+
+def test_invalid_value_names_the_line_and_hides_secrets(tmp_path):
+    path = write(tmp_path, "security.protocol=TLS\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:1: security.protocol=TLS: Invalid value"):
+        load_kafka_config(path, {})
+
+
+def test_settings_that_do_not_work_together_are_refused(tmp_path):
+    path = write(tmp_path, "security.protocol=SASL_SSL\nsasl.mechanism=SCRAM-SHA-512\n")
+    with pytest.raises(ConfigError, match="sasl.username and sasl.password must be set"):
+        load_kafka_config(path, {})
+
+
+@pytest.mark.parametrize("name", ["group.id", "transactional.id", "enable.idempotence", "partitioner", "isolation.level"])
+def test_settings_ksow_owns_cannot_be_configured(tmp_path, name):
+    path = write(tmp_path, f"{name}=x\n")
+    with pytest.raises(ConfigError, match=rf"{path}:1: {name} is set by ksow"):
+        load_kafka_config(path, {})
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="No such file"):
+        load_kafka_config(tmp_path / "nope.properties", {})
+
+
+def test_bootstrap_servers_is_the_fallback_address_not_a_property(tmp_path):
+    path = write(tmp_path, "bootstrap.servers=kafka:9093\nclient.id=ksow-test\n")
+    config = load_kafka_config(path, {})
+    assert config.bootstrap == "kafka:9093"
+    assert dict(config.properties) == {"client.id": "ksow-test"}
+
+
+# ------------------------------------------------------------------ the environment
+
+
+def _encode(name: str) -> str:
+    """The inverse of env_property, as the Confluent images document it."""
+    return "KAFKA_" + name.replace("_", "__").replace("-", "___").replace(".", "_").upper()
+
+
+segment = st.text(string.ascii_lowercase + string.digits, min_size=1, max_size=6)
+names = st.lists(st.tuples(st.sampled_from([".", "_", "-"]), segment), max_size=4).flatmap(
+    lambda rest: segment.map(lambda first: first + "".join(sep + part for sep, part in rest))
+)
+
+
+@given(names)
+def test_env_names_round_trip(name):
+    assert env_property(_encode(name)) == name
+
+
+def test_env_examples():
+    assert env_property("KAFKA_SECURITY_PROTOCOL") == "security.protocol"
+    assert env_property("KAFKA_SSL_CA_LOCATION") == "ssl.ca.location"
+    assert env_property("KAFKA_LOG__LEVEL") == "log_level"
+
+
+def test_env_overrides_the_file_and_foreign_variables_are_ignored(tmp_path):
+    path = write(tmp_path, "security.protocol=SASL_PLAINTEXT\nsasl.mechanism=PLAIN\nsasl.username=file\nsasl.password=p\n")
+    env = {"KAFKA_SASL_USERNAME": "env", "KAFKA_BOOTSTRAP": "h:1", "KAFKA_HOME": "/opt/kafka", "KAFKA_HEAP_OPTS": "-Xmx1g"}
+    config = load_kafka_config(path, env)
+    assert config.properties["sasl.username"] == "env"
+    assert config.origins["sasl.username"] == "env KAFKA_SASL_USERNAME"
+    assert config.origins["sasl.password"] == f"{path}:4"
+    assert "home" not in config.properties and config.bootstrap is None
+
+
+def test_misspelt_security_variable_is_an_error():
+    with pytest.raises(ConfigError, match="^env KAFKA_SASL_USERNAM: No such configuration property"):
+        load_kafka_config(None, {"KAFKA_SASL_USERNAM": "x"})
+
+
+def test_invalid_value_in_env_names_the_variable():
+    with pytest.raises(ConfigError, match="^env KAFKA_SECURITY_PROTOCOL: security.protocol=TLS: Invalid value"):
+        load_kafka_config(None, {"KAFKA_SECURITY_PROTOCOL": "TLS"})
+
+
+def test_configuration_in_force_follows_file_and_env(tmp_path, monkeypatch):
+    path = write(tmp_path, "client.id=one\n")
+    monkeypatch.setenv("KSOW_KAFKA_CONFIG", str(path))
+    assert kafka_config().properties["client.id"] == "one"
+    monkeypatch.setenv("KAFKA_CLIENT_ID", "two")
+    assert kafka_config().properties["client.id"] == "two"
+    use_kafka_config(KafkaConfig({"client.id": "three"}))
+    assert kafka_config().properties["client.id"] == "three"
+
+
+def test_describe_masks_secrets():
+    text = load_kafka_config(None, {f"KAFKA_{k.upper().replace('.', '_')}": v for k, v in SECURED.items()}).describe()
+    assert "sasl.username=ksow" in text and "sasl.password=***" in text and "s3=cr" not in text
+
+
+# ------------------------------------------------------------------ clients
+
+
+def test_deployment_settings_override_defaults_and_callers_override_both():
+    use_kafka_config(KafkaConfig({"compression.type": "zstd", "client.id": "deploy"}))
+    config = _client_config("h:1", {"compression.type": "lz4", "linger.ms": 5}, {"client.id": "worker-1"})
+    assert config == {"compression.type": "zstd", "linger.ms": 5, "client.id": "worker-1", "bootstrap.servers": "h:1"}
+
+
+# ------------------------------------------------------------------ Spark
+
+
+def test_spark_options_plaintext():
+    assert spark_kafka_options("h:1", KafkaConfig()) == {"kafka.bootstrap.servers": "h:1", "kafka.security.protocol": "PLAINTEXT"}
+
+
+def test_spark_options_scram_over_tls_with_inline_ca(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    options = spark_kafka_options("h:1", KafkaConfig({**SECURED, "ssl.ca.location": str(ca)}))
+    assert options["kafka.security.protocol"] == "SASL_SSL"
+    assert options["kafka.sasl.mechanism"] == "SCRAM-SHA-512"
+    assert options["kafka.sasl.jaas.config"] == (
+        'org.apache.kafka.common.security.scram.ScramLoginModule required username="ksow" password="s3=cr\\"et\\\\";'
+    )
+    assert options["kafka.ssl.truststore.type"] == "PEM"
+    assert options["kafka.ssl.truststore.certificates"] == ca.read_text()
+    assert options["kafka.ssl.endpoint.identification.algorithm"] == "https"
+
+
+def test_spark_options_client_certificate_and_no_hostname_check(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("CERT")
+    key.write_text("-----BEGIN PRIVATE KEY-----\nK\n-----END PRIVATE KEY-----\n")
+    props = {"security.protocol": "SSL", "ssl.certificate.location": str(cert), "ssl.key.location": str(key),
+             "ssl.key.password": "kp", "ssl.endpoint.identification.algorithm": "none"}  # fmt: skip
+    options = spark_kafka_options("h:1", KafkaConfig(props))
+    assert options["kafka.ssl.keystore.type"] == "PEM"
+    assert options["kafka.ssl.keystore.certificate.chain"] == "CERT"
+    assert options["kafka.ssl.keystore.key"] == key.read_text()
+    assert options["kafka.ssl.key.password"] == "kp"
+    assert options["kafka.ssl.endpoint.identification.algorithm"] == ""
+    assert "kafka.sasl.jaas.config" not in options
+
+
+@pytest.mark.parametrize(
+    ("props", "message"),
+    [
+        ({**SECURED, "sasl.mechanism": "OAUTHBEARER"}, "SASL mechanism OAUTHBEARER is not supported"),
+        ({"security.protocol": "SSL", "enable.ssl.certificate.verification": "false"}, "no Java client equivalent"),
+        ({"security.protocol": "SSL", "ssl.ca.location": "/no/such/ca.pem"}, "must be a readable PEM file"),
+        ({"security.protocol": "SSL", "ssl.certificate.pem": "C", "ssl.key.pem": "-----BEGIN RSA PRIVATE KEY-----"}, "PKCS#8"),
+    ],
+)
+def test_spark_options_refuse_what_the_java_client_cannot_do(props, message):
+    with pytest.raises(ConfigError, match=message):
+        spark_kafka_options("h:1", KafkaConfig(props))
+
+
+def test_spark_options_default_to_the_configuration_in_force():
+    use_kafka_config(KafkaConfig({"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": "u", "sasl.password": "p"}))
+    assert "PlainLoginModule" in spark_kafka_options("h:1")["kafka.sasl.jaas.config"]
