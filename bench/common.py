@@ -137,29 +137,33 @@ def wait_for_count(
 
 def first_last_timestamps(bootstrap: str, topic: str, partitions: int) -> tuple[float, float]:
     """(earliest, latest) Kafka timestamps in seconds over the first and last message of each
-    partition: the producer's clock (CreateTime), so the span a producer took to write the topic."""
+    partition: the producer's clock (CreateTime), so the span a producer took to write the topic.
+    Transactional topics end with commit markers, which take offsets but are no messages: the last
+    message of a partition is the last one read before its end."""
     consumer = _consumer(bootstrap)
     try:
         marks = watermarks(bootstrap, topic, partitions, consumer)
-        wanted = {}
-        for p, (low, high) in marks.items():
-            if high > low:
-                wanted[(p, low)] = None
-                wanted[(p, high - 1)] = None
         stamps = []
-        for p, offset in list(wanted):
-            consumer.assign([TopicPartition(topic, p, offset)])
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                msg = consumer.poll(0.5)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
+        for p, (low, high) in marks.items():
+            if high <= low:
+                continue
+            for start, last in ((low, False), (max(low, high - 8), True)):
+                consumer.assign([TopicPartition(topic, p, start)])
+                seen = None
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    msg = consumer.poll(0.5)
+                    if msg is None:
                         continue
-                    raise KafkaException(msg.error())
-                stamps.append(msg.timestamp()[1] / 1000)
-                break
+                    if msg.error():
+                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                            break
+                        raise KafkaException(msg.error())
+                    seen = msg.timestamp()[1] / 1000
+                    if not last:
+                        break
+                if seen is not None:
+                    stamps.append(seen)
         if not stamps:
             raise RuntimeError(f"{topic} is empty")
         return min(stamps), max(stamps)

@@ -17,12 +17,14 @@ MAX_DELETE_KEYS = 10_000  # SowKeys in one sow_delete's sow-keys header
 QUERY_MAX_ROWS = 100_000  # records one HTTP query may return
 QUERY_MAX_SECONDS = 10.0  # time one HTTP query may take on a worker
 READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this long without progress
+MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
     "KSOW_QUERY_MAX_ROWS": (int, QUERY_MAX_ROWS),
     "KSOW_QUERY_MAX_SECONDS": (float, QUERY_MAX_SECONDS),
     "KSOW_READ_IDLE_TIMEOUT": (float, READ_IDLE_TIMEOUT_S),
+    "KSOW_MAX_RECORD_BYTES": (int, MAX_RECORD_BYTES),
 }
 
 
@@ -58,6 +60,12 @@ def query_max_seconds() -> float:
 def read_idle_timeout() -> float:
     """Seconds without progress after which reading a topic to its end fails (env KSOW_READ_IDLE_TIMEOUT)."""
     return float(_env("KSOW_READ_IDLE_TIMEOUT"))
+
+
+def max_record_bytes() -> int:
+    """Largest encoded record or diff a write may produce (env KSOW_MAX_RECORD_BYTES); a write over it
+    is refused with the reason on `.errors`, and the SOW keeps the record as it was."""
+    return int(_env("KSOW_MAX_RECORD_BYTES"))
 
 
 def check_environment() -> None:

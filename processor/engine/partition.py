@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Protocol
 
 from processor.contract.errors import InputError
+from processor.contract.limits import max_record_bytes
 from processor.contract import headers as H
 from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
 from processor.core.codec import Codec
@@ -82,6 +83,7 @@ class SowPartition:
         n, capacity = spec.partitions, spec.capacity
         # Capacity is split evenly over the partitions, so the topic never holds more than `capacity`.
         self.capacity = capacity // n + (1 if p < capacity % n else 0) if capacity else 0
+        self.max_bytes = max_record_bytes()
 
     # event IDs ---------------------------------------------------------------------
     def next_seq(self, now: int) -> int:
@@ -118,9 +120,12 @@ class SowPartition:
         if before is None and self.capacity and self.stored:
             self._make_room(now, out)
         t = apply_write(key, before, cmd, self.policy, self.key_paths, published, self.next_seq(now))
+        if out is not None:
+            self._emit_checked(t, out)
+        else:  # the caller keeps transitions, not messages (the reference fold): nothing to encode
+            self._emit(t, out)
         if self.stored:
             state.put(key, t.after)  # type: ignore[arg-type]
-        self._emit(t, out)
 
     def _make_room(self, now: int, out: list) -> None:
         """Before a new record: evict the least recently updated record(s), or refuse the new one."""
@@ -200,6 +205,19 @@ class SowPartition:
             out.append(Output(sow, self.p, kb, encode(record.data), headers, True))
 
     # outputs -----------------------------------------------------------------------
+    def _emit_checked(self, t: Transition, out: list) -> None:
+        """Emit a write's messages, refusing it (InputError, nothing emitted) when its encoded record
+        or diff is over the size a Kafka message may have."""
+        start = len(out)
+        render(t, self.p, self.codec, self.streams, out, self.stored)
+        for o in out[start:]:  # the merged record and its diff
+            if o.value is not None and len(o.value) > self.max_bytes:
+                del out[start:]
+                raise InputError(f"{self.spec.topic}: the record would be {len(o.value)} bytes on {o.topic}, over the limit of "
+                                 f"{self.max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
+        for listener in self.listeners:
+            listener.on_change(self.p, t, out)
+
     def _emit(self, t: Transition, out: list | None) -> None:
         """Render the messages of a transition (out=None: the caller keeps transitions, not messages)."""
         if out is not None:

@@ -64,7 +64,7 @@ class LoopSettings:
     expiry_tick_ms: int = 25  # between expiry sweeps
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
-    max_message_bytes: int = 1_000_000  # the producer's message.max.bytes: larger outputs go to .errors
+    max_message_bytes: int = 1_000_000  # the producer's message.max.bytes (a record's own limit: processor.contract.limits)
 
     @classmethod
     def from_env(cls, **overrides) -> "LoopSettings":
@@ -129,6 +129,14 @@ class Task:
     @property
     def name(self) -> tuple[str, int]:
         return (self.engine.spec.topic, self.p)
+
+
+def _too_large(o: Output, limit: int) -> Output:
+    """What goes out instead of a message the producer refuses as too large: its start, on the same
+    topic, with the reason (this is the `.errors` record of an input over the broker's limit)."""
+    size = len(o.value or b"") + len(o.key or b"")
+    reason = f"message of {size} bytes exceeds message.max.bytes {limit}: value cut to {limit // 2} bytes".encode()
+    return Output(o.topic, o.partition, o.key, (o.value or b"")[: limit // 2], [*o.headers, (H.ERROR, reason)])
 
 
 class _Positions:
@@ -384,26 +392,12 @@ class SowLoop:
         if not batch:
             return 0
         inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
-        start = len(out)
         engine.handle(inputs, now, out)
-        self._fit(engine, out, start)
         if _KILLS:
             _kill("apply")
         for m in batch:
             offsets[(m.topic(), m.partition())] = m.offset() + 1
         return len(batch)
-
-    def _fit(self, engine: SowTopicEngine, out: list, start: int) -> None:
-        """Outputs over the broker's message size cannot be produced: such a message is replaced by an
-        `.errors` record saying so (the record it belonged to keeps its state; see README "Limits")."""
-        limit = self.settings.max_message_bytes
-        for i in range(start, len(out)):
-            o = out[i]
-            size = (len(o.value) if o.value else 0) + (len(o.key) if o.key else 0)
-            if size > limit:
-                reason = f"output of {size} bytes for {o.topic} exceeds the limit of {limit} bytes (KSOW_MAX_MESSAGE_BYTES)".encode()
-                headers = [(k, v) for k, v in o.headers if k not in H.INTERNAL] + [(H.ERROR, reason), (H.ERROR_TOPIC, o.topic.encode())]
-                out[i] = Output(engine.streams.errors, None, o.key, (o.value or b"")[: limit // 2], headers)
 
     def _sweep(self, now: int, out: list) -> None:
         """Expire what is due and release conflated view events whose interval ended."""
@@ -438,6 +432,10 @@ class SowLoop:
                     produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
                 except BufferError:
                     self._produce_when_room(o, callback)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise
+                    self._produce_when_room(_too_large(o, self.settings.max_message_bytes), None)
             if self.eos:
                 if offsets:
                     producer.send_offsets_to_transaction(
