@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from processor.contract import headers as H
 from processor.core.durations import _DURATION, _UNITS_MS
-from processor.core.expiry import ExpirationMode
 from processor.core.keys import _BASE64_CHARS, checksum_key
 from processor.topology import MessageType, SowTopic
 
@@ -164,9 +163,10 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     header_ms = F.bround(number.try_cast("double") * unit_ms, 0).cast("long")
     valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
     policy = spec.expiry
-    default = policy.default_ms if policy.mode is ExpirationMode.DEFAULT else None
-    # message_ms present: 0 means never; absent: the topic default (mode "default" only).
-    life = F.when(raw.isNull(), _lit(default)).otherwise(F.when(header_ms == 0, _lit(None)).otherwise(header_ms))
+    # message_ms present: 0 means never; absent: the topic default (None unless mode "default").
+    life = F.when(raw.isNull(), _lit(policy.default_ms)).otherwise(F.when(header_ms == 0, _lit(None)).otherwise(header_ms))
+    if not policy.clamped:  # no clamps, or a topic default lifetime that overrides them
+        return valid, life
     fallback = policy.max_ms if policy.max_ms is not None else policy.min_ms
     clamped = life
     if policy.max_ms is not None:
@@ -174,6 +174,16 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     if policy.min_ms is not None:
         clamped = F.greatest(clamped, _lit(policy.min_ms))
     return valid, F.when(life.isNull(), _lit(fallback)).otherwise(clamped)
+
+
+def live_expr(spec: SowTopic, expires_at: Column, at: int) -> Column:
+    """Spark's rendering of `ExpiryPolicy.is_live(expires_at, at)`: whether a record may be
+    delivered at `at` (epoch ms). Every Spark read of the SOW filters with it."""
+    from pyspark.sql import functions as F
+
+    if not spec.expiry.active:
+        return F.lit(True)
+    return expires_at.isNull() | (expires_at > F.lit(at).cast("long"))
 
 
 def _variant_path(parts: tuple[str, ...]) -> str:
@@ -524,8 +534,7 @@ def snapshot(
     # runs once (`release` unpersists).
     chained = chains(groups, spec).persist(StorageLevel.MEMORY_AND_DISK)
     result = records(chained)
-    if spec.expiry.active:
-        result = result.where(F.col("expires_at").isNull() | (F.col("expires_at") > as_of))
+    result = result.where(live_expr(spec, F.col("expires_at"), as_of))
     result = result.select(sow_key.alias("sow_key"), "record", "expires_at", "updated_at")
     if folded is not None:
         result = result.unionByName(folded)

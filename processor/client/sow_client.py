@@ -23,6 +23,7 @@ from processor.contract.types import InputError, Op, SowRecord
 from processor.contract import headers as H
 from processor.core.codec import Codec, codec_for
 from processor.core.durations import parse_duration_ms
+from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
@@ -191,7 +192,9 @@ class Client:
     # reading the SOW ----------------------------------------------------------------------
     def _snapshot(self, spec: SowTopic, after_seq: int | None = None) -> tuple[dict, dict[int, int], Any, list[tuple]]:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
-        (with `after_seq`) the last change of every record whose event ID is above it, in order."""
+        (with `after_seq`) the last change of every record whose event ID is above it, in order.
+
+        Records past their instant are left out (see `_decode_change`), swept or not."""
         consumer = make_consumer(self.bootstrap)
         topic = spec.sow_topic
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
@@ -200,9 +203,12 @@ class Client:
         since: dict[str, tuple] = {}
         codec = self.codec(spec)
         for msg in read_until(consumer, {(topic, p): e for p, e in ends.items()}):
-            change = _decode_change(codec, state, msg)
+            change = _decode_change(codec, spec.expiry, state, msg)
             if after_seq is not None and change[2] is not None and change[2] > after_seq:
                 since[change[1]] = change
+        now = _now_ms()
+        for key in [k for k, (_, _, expires) in state.items() if not spec.expiry.is_live(expires, now)]:
+            del state[key]
         return state, ends, consumer, sorted(since.values(), key=lambda c: c[2])
 
     def query(
@@ -369,7 +375,7 @@ class Client:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now
-                    change = _decode_change(codec, state, msg)
+                    change = _decode_change(codec, spec.expiry, state, msg)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.change(*change)
                         if event is None:
@@ -411,15 +417,26 @@ def _only_events(feed: Iterator[tuple[int, dict]]) -> Iterator[dict]:
         feed.close()
 
 
-def _decode_change(codec: Codec, state: dict, msg) -> tuple:
-    """(op, key, seq, record before, record after, expires_at) of one `.sow` message; updates `state`."""
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _decode_change(codec: Codec, policy: ExpiryPolicy, state: dict, msg) -> tuple:
+    """(op, key, seq, record before, record after, expires_at) of one `.sow` message; updates `state`.
+
+    A version already past its instant when it is read (a reader behind, a sweep behind) is never
+    delivered: it is read as the record expiring, so a subscriber that held the record is told it
+    left (op expire) and the worker's own expire event, when it comes, finds nothing to remove.
+    """
     key = msg.key().decode()
     hs = msg.headers()
     op = Op(_header(hs, H.OP) or ("delete" if msg.value() is None else "update"))
     seq = _int_header(hs, H.SEQ)
     expires = _int_header(hs, H.EXPIRES_AT)
     before = state.get(key)
-    if msg.value() is None:
+    if msg.value() is None or not policy.is_live(expires, _now_ms()):
+        if msg.value() is not None:
+            op = Op.EXPIRE
         state.pop(key, None)
         after = None
     else:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from processor.contract.types import SowRecord
+from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import Filter, compile_filter
 from processor.core.paths import MISSING, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
@@ -113,9 +115,19 @@ def _scan(stores: list[PartitionStore], predicate: Filter, plan: QueryPlan) -> l
 
 
 def run_query(
-    stores: Iterable[PartitionStore], query: SowQuery, indexes: tuple[tuple[str, ...], ...], key_paths: tuple[tuple[str, ...], ...] = ()
+    stores: Iterable[PartitionStore],
+    query: SowQuery,
+    indexes: tuple[tuple[str, ...], ...],
+    key_paths: tuple[tuple[str, ...], ...] = (),
+    policy: ExpiryPolicy = ExpiryPolicy(),
+    now_ms: int | None = None,
 ) -> tuple[list[dict], QueryPlan]:
-    """The matching records of the given partitions as result dicts, ordered and cut to `top`."""
+    """The matching records of the given partitions as result dicts, ordered and cut to `top`.
+
+    Records past their instant (by `policy.is_live` at `now_ms`, default now) are left out even
+    when the expiry sweep has not removed them yet; the check costs one comparison per match.
+    """
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     predicate = compile_filter(query.filter) if query.filter else None
     plan = QueryPlan(None)
     select = selection(query, key_paths)
@@ -129,6 +141,8 @@ def run_query(
                 plan.candidates += 1
                 if predicate is None or predicate.matches(record.data):
                     rows.append((key, record))
+    if policy.active:
+        rows = [row for row in rows if policy.is_live(row[1].expires_at, now)]
     rows = order_and_cut(rows, query, lambda row: row[1].data)
     return [result(key, rec, select) for key, rec in rows], plan
 

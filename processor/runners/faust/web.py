@@ -28,7 +28,7 @@ def install_web(worker: "SowWorker", app) -> None:
             query = SowQuery.from_params(dict(request.query))
             async with worker.locks[topic]:
                 served = sorted(p for (t, p) in worker.ready if t == topic)
-                rows, plan = run_query([proc.stores[p] for p in served], query, proc.indexes.hash_indexes, proc.key_paths)
+                rows, plan = run_query([proc.stores[p] for p in served], query, proc.indexes.hash_indexes, proc.key_paths, proc.spec.expiry)
         except (FilterError, ValueError) as exc:
             return view.bytes(orjson.dumps({"error": str(exc)}), status=400, content_type="application/json")
         body = {"worker": url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
