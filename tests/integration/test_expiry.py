@@ -150,7 +150,6 @@ def test_topic_default_lifetime_overrides_the_clamps(kafka_bootstrap, unique_nam
     w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration="1s", min_expiration="3s", max_expiration="4s")
     w.start()
     try:
-        assert "overrides min_expiration, max_expiration" in w.log()
         default = client.publish(topic, {"id": 1})
         client.publish(topic, {"id": 2}, expiration="20s")
         client.flush()
@@ -160,6 +159,7 @@ def test_topic_default_lifetime_overrides_the_clamps(kafka_bootstrap, unique_nam
         assert 1_000 <= lifetimes[1] < 2_500, lifetimes  # not raised to min_expiration (3s)
         assert 19_000 <= lifetimes[2] <= 20_000, lifetimes  # not cut to max_expiration (4s)
         assert ids(client, topic) == [2]
+        assert "overrides min_expiration, max_expiration" in w.log()
     finally:
         w.kill()
 
@@ -171,15 +171,15 @@ def test_records_past_their_instant_are_never_delivered(kafka_bootstrap, unique_
     w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration="enabled")
     w.start()
     client.publish(topic, {"id": 1})
-    client.publish(topic, {"id": 2}, expiration="4s")
+    client.publish(topic, {"id": 2}, expiration="6s")
     client.flush()
     wait_until(lambda: ids(client, topic) == [1, 2])
     live = client.subscribe(topic, sow=False, timeout=3)  # the stream starts here, read later
-    client.publish(topic, {"id": 3}, expiration="4s")
+    client.publish(topic, {"id": 3}, expiration="6s")
     client.flush()
     wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) == 3)
     w.kill()  # before the instants: nobody sweeps them
-    time.sleep(4.5)
+    time.sleep(6.5)
     assert not expired(kafka_bootstrap, topic)
     assert ids(client, topic) == [1] and client.last_query_source == "changelog"
     assert [e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1)] == [1]
