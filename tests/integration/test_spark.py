@@ -203,6 +203,7 @@ POLICIES = [
     dict(expiration="30s", min_expiration="20s", max_expiration="1m"),
     dict(expiration="enabled", max_expiration="1h"),
     dict(expiration="enabled", min_expiration="1s"),
+    dict(expiration=0, max_expiration="1h"),
 ]
 
 
@@ -227,6 +228,68 @@ def test_lifetime_expression_agrees_with_the_core(spark):
                 expected = (False, None)
             row = rows[raw]
             assert (row[f"v{n}"], row[f"l{n}"] if row[f"v{n}"] else None) == expected, (policy, raw)
+
+
+def _key_value_corpus() -> list[str]:
+    """JSON spellings of key values: the cases the text rule names, then random doubles of every
+    kind (raw bit patterns, short decimals, all magnitudes) as orjson writes them."""
+    import random
+    import struct
+
+    fixed = ['5', '5.0', '5e0', '"5"', '-0', '-0.0', '0.1', '0.10', '1e-1', '"0.1"', 'true', '"true"', 'false', '"false"',
+             '1.5E-5', '1e22', '1e16', '9.1e15', '0.0001', '0.00001', '-2.5', '8.41E21', '0.30000000000000004', '5e-324',
+             '9007199254740993', '9007199254740993.0', '9223372036854775807', '9223372036854775808', '18446744073709551615',
+             '18446744073709551616', '-9223372036854775808', '-9223372036854775809', '123456789.123', '"a\\"b"', '"\\u00e9"', '""']
+    rnd = random.Random(13)
+    drawn = []
+    while len(drawn) < 2000:
+        kind = rnd.random()
+        if kind < 0.3:
+            x = struct.unpack("d", struct.pack("Q", rnd.getrandbits(64)))[0]
+        elif kind < 0.6:
+            x = round(rnd.uniform(-1e6, 1e6), rnd.randint(0, 8))
+        else:
+            x = rnd.uniform(-10, 10) * 10 ** rnd.randint(-300, 300)
+        if x == x and abs(x) != float("inf"):
+            drawn.append(orjson.dumps(x).decode())
+    return fixed + drawn
+
+
+def test_key_groups_agree_with_the_core_key_texts(spark):
+    """The snapshot job groups inputs by `key_token`s: each must stand for the text the core makes
+    the SowKey of (`key_text`), and equal texts must give one group (5, 5.0 and "5" are one record)."""
+    from pyspark.sql import functions as F
+
+    from processor.batch.snapshot import key_token
+    from processor.core.keys import key_text
+
+    corpus = _key_value_corpus()
+    df = spark.createDataFrame([(f'{{"k": {v}}}',) for v in corpus], "t string")
+    rows = df.select("t", key_token(F.variant_get(F.expr("parse_json(t)"), "$['k']", "variant")).alias("token")).collect()
+    tokens_of: dict[str, set[str]] = {}
+    for row in rows:
+        text = key_text(orjson.loads(row["t"])["k"])
+        assert key_text(orjson.loads(row["token"])) == text, (row["t"], row["token"])
+        tokens_of.setdefault(text, set()).add(row["token"])
+    assert {text: tokens for text, tokens in tokens_of.items() if len(tokens) > 1} == {}
+    assert tokens_of["5"] == {'"5"'} and tokens_of["0.1"] == {'"0.1"'} and tokens_of["true"] == {'"true"'}
+
+
+def test_snapshot_keys_five_and_string_five_as_one_record(spark, kafka_bootstrap, admin):
+    from processor.batch.snapshot import snapshot
+
+    spec = SowTopic(topic=f"t_spark_keys_{int(time.time() * 1000) % 10**9}", key=["/id", "/leg"], partitions=2)
+    _create(admin, spec)
+    producer = make_producer(kafka_bootstrap)
+    for at, value in ((1, {"id": 5, "leg": True, "v": 1}), (2, {"id": "5", "leg": "true", "w": 2}), (3, {"id": 5.0, "leg": "1", "v": 3})):
+        producer.produce(spec.topic, orjson.dumps(value), b"k", timestamp=T0 + at)
+    producer.produce(spec.delta_topic, orjson.dumps({"id": 5, "leg": True, "x": 4}), b"k", timestamp=T0 + 4)
+    assert producer.flush(30) == 0
+    rows = {r["sow_key"]: orjson.loads(r["record"]) for r in snapshot(spark, kafka_bootstrap, spec, T0 + 10).collect()}
+    assert rows == {
+        spec.key_spec.sow_key({"id": 5, "leg": True}): {"id": 5, "leg": True, "w": 2, "x": 4},
+        spec.key_spec.sow_key({"id": 5, "leg": "1"}): {"id": 5.0, "leg": "1", "v": 3},
+    }
 
 
 def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
