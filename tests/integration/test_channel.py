@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def restarted(kafka_bootstrap, tmp_path_factory):
     def run(options: tuple[tuple[str, str], ...]) -> Restarted:
         if options not in _runs:
             tmp = tmp_path_factory.mktemp("channel")
-            topic = f"t_channel_{dict(options)['persistence']}_{len(_runs)}_{tmp.name[-6:]}".replace("-", "_")
+            topic = f"t_channel_{dict(options)['persistence']}_{uuid.uuid4().hex[:8]}"
             w, client = start(kafka_bootstrap, tmp, topic, **dict(options))
             try:
                 for i in range(5):
