@@ -198,9 +198,10 @@ def _variant_path(parts: tuple[str, ...]) -> str:
     return "$" + "".join(segments)
 
 
-# Integers orjson reads as int (beyond: as float); floats from which 15 significant digits come back
-# exactly (normal numbers: any decimal of at most 15 digits is the only one that reads as its double).
-_UINT_MAX = 2**64 - 1
+# Integers from _UINT_MIN to _UINT_MAX are ints to orjson, though Spark's BIGINT cannot hold them.
+# Floats below _EXACT_INT hold every integer. From a normal float (at least _MIN_NORMAL), a decimal
+# of at most 15 significant digits that reads back as it is the only one: its shortest spelling.
+_UINT_MIN, _UINT_MAX = 2**63, 2**64 - 1
 _EXACT_INT = 2**53
 _MIN_NORMAL = 2.2250738585072014e-308
 
@@ -222,7 +223,7 @@ def key_token(value: Column) -> Column:
     j = F.to_json(value)
     d = j.try_cast("double")
     as_int = j.try_cast("decimal(20,0)")
-    unsigned = as_int.between(F.lit(str(2**63)).cast("decimal(20,0)"), F.lit(str(_UINT_MAX)).cast("decimal(20,0)"))
+    unsigned = as_int.between(F.lit(str(_UINT_MIN)).cast("decimal(20,0)"), F.lit(str(_UINT_MAX)).cast("decimal(20,0)"))
     # Digits: an integer literal (BIGINT), or a float with a zero fraction (DECIMAL(p,0)), which
     # has the same text below 2**53; orjson reads integer literals up to 2**64 - 1 as int.
     is_int = j.rlike(r"^-?[0-9]+$") & ((F.abs(as_int) < _EXACT_INT) | (F.schema_of_variant(value) == "BIGINT") | unsigned)

@@ -3,8 +3,9 @@
 Each SOW topic of the topology that the query mentions becomes a temporary view named like the
 topic with dots as underscores (`orders` -> orders, `eu.orders` -> eu_orders). A view is the
 latest record per SowKey of `<topic>.sow` (the compacted changelog the workers write; the
-highest offset wins, tombstones and records past their instant leave), with the records' fields as columns: Spark infers the
-schema from the JSON values (nested objects become structs), plus `_sow_key` and `_expires_at`.
+highest offset wins; tombstones, and records past their instant that no worker has removed yet,
+leave), with the records' fields as columns: Spark infers the schema from the JSON values (nested
+objects become structs), plus `_sow_key` and `_expires_at`.
 """
 
 from __future__ import annotations

@@ -170,17 +170,19 @@ def test_replay_from_instant(spark, scripted):
 
 
 def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
-    """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones out, fields as columns."""
+    """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones and records past their
+    instant (not removed by any worker yet) out, fields as columns."""
     from processor.kafka.clients import topic_configs
     from processor.batch.sql import run_sql
 
     name = f"t_spark_sql_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2)
+    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2, expiration="enabled")
     ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
     producer = make_producer(kafka_bootstrap)
 
-    def put(i: int, record: dict | None) -> None:
-        producer.produce(spec.sow_topic, None if record is None else orjson.dumps(record), spec.key_spec.sow_key({"order_id": i}).encode())
+    def put(i: int, record: dict | None, expires_at: int | None = None) -> None:
+        headers = [] if expires_at is None else [("sow-expires-at", b"%d" % expires_at)]
+        producer.produce(spec.sow_topic, None if record is None else orjson.dumps(record), spec.key_spec.sow_key({"order_id": i}).encode(), headers=headers)
 
     put(1, {"order_id": 1, "region": "eu", "qty": 10})
     put(2, {"order_id": 2, "region": "eu", "qty": 5})
@@ -188,11 +190,14 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     put(1, {"order_id": 1, "region": "eu", "qty": 20})  # a newer version of 1
     put(4, {"order_id": 4, "region": "us", "qty": 100})
     put(4, None)  # 4 left the SOW
+    now = int(time.time() * 1000)
+    put(5, {"order_id": 5, "region": "us", "qty": 1000}, expires_at=now - 1)  # past its instant
+    put(6, {"order_id": 6, "region": "eu", "qty": 1}, expires_at=now + 3_600_000)
     assert producer.flush(30) == 0
     view = spec.topic.replace(".", "_")
     topology = Topology(sow=[spec])
     rows = run_sql(spark, kafka_bootstrap, topology, f"SELECT region, count(*) AS n, sum(qty) AS qty FROM {view} GROUP BY region ORDER BY region").collect()
-    assert [r.asDict() for r in rows] == [{"region": "eu", "n": 2, "qty": 25}, {"region": "us", "n": 1, "qty": 7}]
+    assert [r.asDict() for r in rows] == [{"region": "eu", "n": 3, "qty": 26}, {"region": "us", "n": 1, "qty": 7}]
 
 
 LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
