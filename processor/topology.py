@@ -106,7 +106,8 @@ class SowTopic(BaseModel):
     @field_validator("min_expiration", "max_expiration")
     @classmethod
     def _clamp(cls, value: Any) -> Any:
-        _duration_or_none(value)
+        if _duration_or_none(value) == 0:  # negative ones do not parse as durations
+            raise ValueError("must be a positive duration (leave it out for no bound)")
         return value
 
     @model_validator(mode="after")
@@ -126,13 +127,27 @@ class SowTopic(BaseModel):
 
     @cached_property
     def expiry(self) -> ExpiryPolicy:
+        """`expiration: 0` is no default lifetime (as a TTL of 0 in Universal Messaging): expiration
+        is on for per-message lifetimes only, the same as `enabled`."""
         raw = self.expiration
         lo, hi = _duration_or_none(self.min_expiration), _duration_or_none(self.max_expiration)
         if raw is None or (isinstance(raw, str) and raw.strip().lower() == "disabled"):
             return ExpiryPolicy(ExpirationMode.DISABLED, None, lo, hi)
-        if isinstance(raw, str) and raw.strip().lower() == "enabled":
+        default = None if isinstance(raw, str) and raw.strip().lower() == "enabled" else _duration_or_none(raw)
+        if not default:
             return ExpiryPolicy(ExpirationMode.ENABLED, None, lo, hi)
-        return ExpiryPolicy(ExpirationMode.DEFAULT, _duration_or_none(raw), lo, hi)
+        return ExpiryPolicy(ExpirationMode.DEFAULT, default, lo, hi)
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what the operator meant (logged at start)."""
+        policy = self.expiry
+        if policy.default_ms is not None and (policy.min_ms is not None or policy.max_ms is not None):
+            clamps = ", ".join(n for n, v in (("min_expiration", policy.min_ms), ("max_expiration", policy.max_ms)) if v is not None)
+            return [
+                f"sow[{self.topic}]: expiration {self.expiration} is a topic default lifetime, which overrides {clamps} "
+                "(as Artemis expiry-delay overrides min/max-expiry-delay): no lifetime of this topic is clamped"
+            ]
+        return []
 
     # Derived topic names (contract: "Topics").
     @property
@@ -227,6 +242,9 @@ class Topology(BaseModel):
         if self.replication_factor and self.min_insync_replicas and self.min_insync_replicas > self.replication_factor:
             raise ValueError(f"min_insync_replicas {self.min_insync_replicas} is above replication_factor {self.replication_factor}")
         return self
+
+    def warnings(self) -> list[str]:
+        return [w for spec in self.sow for w in spec.warnings()]
 
     def views_of(self, topic: str) -> list["View"]:
         return [v for v in self.views if v.topic == topic]

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from processor.contract import headers as H
 from processor.core.durations import _DURATION, _UNITS_MS
-from processor.core.expiry import ExpirationMode
 from processor.core.keys import _BASE64_CHARS, checksum_key
 from processor.topology import MessageType, SowTopic
 
@@ -166,9 +165,10 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     header_ms = F.bround(number.try_cast("double") * unit_ms, 0).cast("long")
     valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
     policy = spec.expiry
-    default = policy.default_ms if policy.mode is ExpirationMode.DEFAULT else None
-    # message_ms present: 0 means never; absent: the topic default (mode "default" only).
-    life = F.when(raw.isNull(), _lit(default)).otherwise(F.when(header_ms == 0, _lit(None)).otherwise(header_ms))
+    # message_ms present: 0 means never; absent: the topic default (None unless mode "default").
+    life = F.when(raw.isNull(), _lit(policy.default_ms)).otherwise(F.when(header_ms == 0, _lit(None)).otherwise(header_ms))
+    if not policy.clamped:  # no clamps, or a topic default lifetime that overrides them
+        return valid, life
     fallback = policy.max_ms if policy.max_ms is not None else policy.min_ms
     clamped = life
     if policy.max_ms is not None:
@@ -176,6 +176,16 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     if policy.min_ms is not None:
         clamped = F.greatest(clamped, _lit(policy.min_ms))
     return valid, F.when(life.isNull(), _lit(fallback)).otherwise(clamped)
+
+
+def live_expr(spec: SowTopic, expires_at: Column, at: int) -> Column:
+    """Spark's rendering of `ExpiryPolicy.is_live(expires_at, at)`: whether a record may be
+    delivered at `at` (epoch ms). Every Spark read of the SOW filters with it."""
+    from pyspark.sql import functions as F
+
+    if not spec.expiry.active:
+        return F.lit(True)
+    return expires_at.isNull() | (expires_at > F.lit(at).cast("long"))
 
 
 def _variant_path(parts: tuple[str, ...]) -> str:
@@ -190,12 +200,77 @@ def _variant_path(parts: tuple[str, ...]) -> str:
     return "$" + "".join(segments)
 
 
+# Integers from _UINT_MIN to _UINT_MAX are ints to orjson, though Spark's BIGINT cannot hold them.
+# Floats below _EXACT_INT hold every integer. From a normal float (at least _MIN_NORMAL), a decimal
+# of at most 15 significant digits that reads back as it is the only one: its shortest spelling.
+_UINT_MIN, _UINT_MAX = 2**63, 2**64 - 1
+_EXACT_INT = 2**53
+_MIN_NORMAL = 2.2250738585072014e-308
+
+
+def key_token(value: Column) -> Column:
+    """One key value's element of a key group, from the value as a VARIANT (a scalar: the caller
+    has checked that it is present and not null, an object or an array).
+
+    The text the core gives the value (`processor.core.keys.key_text`) as a JSON string, computed
+    by Spark for strings, booleans, integers and every float that 15 significant digits spell
+    exactly (laid out as Python's repr does). A float that needs 16 or 17 digits (or is subnormal)
+    stays a JSON number, and the SowKey UDF makes its text with the core: its group is still
+    exact, except against a *string* key value that spells that same 16-17 digit text (two groups
+    then share one SowKey). A number from 2**63 to 2**64 written with `.0` is taken as an integer:
+    Spark's VARIANT keeps no trace of the `.0` there (as it does not of a `5.0`, which is harmless).
+    """
+    from pyspark.sql import functions as F
+
+    j = F.to_json(value)
+    d = j.try_cast("double")
+    as_int = j.try_cast("decimal(20,0)")
+    unsigned = as_int.between(F.lit(str(_UINT_MIN)).cast("decimal(20,0)"), F.lit(str(_UINT_MAX)).cast("decimal(20,0)"))
+    # Digits: an integer literal (BIGINT), or a float with a zero fraction (DECIMAL(p,0)), which
+    # has the same text below 2**53; orjson reads integer literals up to 2**64 - 1 as int.
+    is_int = j.rlike(r"^-?[0-9]+$") & ((F.abs(as_int) < _EXACT_INT) | (F.schema_of_variant(value) == "BIGINT") | unsigned)
+    integral = (F.abs(d) < _EXACT_INT) & (d == d.cast("long").cast("double"))
+    e14 = F.format_string("%.14e", d)
+    exact15 = (F.abs(d) >= _MIN_NORMAL) & (e14.try_cast("double") == d)
+    text = (
+        F.when(j.isin("true", "false"), j)
+        .when(is_int, j)
+        .when(integral, d.cast("long").cast("string"))
+        .when(exact15, _python_repr(e14))
+    )
+    quoted = F.concat(F.lit('"'), text, F.lit('"'))
+    return F.when(F.substring(j, 1, 1) == '"', j).when(text.isNotNull(), quoted).otherwise(d.cast("string"))
+
+
+def _python_repr(e14: Column) -> Column:
+    """Python's repr of a float from its `%.14e` form (`d.dddddddddddddde±XX`): the digits without
+    trailing zeros, positional for exponents -4..15 (`0.0001`, `123.5`, `9100000000000000.0`),
+    else `1.5e-05` / `1e+22`."""
+    from pyspark.sql import functions as F
+
+    pattern = r"^(-?)([0-9])\.([0-9]+)e([-+][0-9]+)$"
+    sign = F.regexp_extract(e14, pattern, 1)
+    digits = F.regexp_replace(F.concat(F.regexp_extract(e14, pattern, 2), F.regexp_extract(e14, pattern, 3)), "0+$", "")
+    x = F.regexp_extract(e14, pattern, 4).cast("int")
+    n = F.length(digits)
+    one = F.lit(1)
+    whole = F.rpad(F.substring(digits, one, x + 1), x + 1, "0")
+    frac = F.when(n > x + 1, F.substring(digits, x + 2, n)).otherwise(F.lit("0"))
+    small = F.concat(F.lit("0."), F.repeat(F.lit("0"), -x - 1), digits)
+    mantissa = F.when(n > 1, F.concat(F.substring(digits, one, one), F.lit("."), F.substring(digits, F.lit(2), n))).otherwise(digits)
+    exponent = F.concat(F.when(x < 0, F.lit("-")).otherwise(F.lit("+")), F.when(F.abs(x) < 10, F.lit("0")).otherwise(F.lit("")), F.abs(x).cast("string"))
+    scientific = F.concat(mantissa, F.lit("e"), exponent)
+    body = F.when((x >= 0) & (x < 16), F.concat(whole, F.lit("."), frac)).when((x < 0) & (x >= -4), small).otherwise(scientific)
+    return F.concat(sign, body)
+
+
 def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_only: bool = False) -> DataFrame:
     """One row per input the worker would apply (rejected ones dropped), with its history order,
     kind (publish | delta | delete | filter | keys), key group, lifetime and value.
 
-    `grp` is the JSON array of the key field values (or the publisher's sow-key): equal key values
-    <=> equal SowKey. Deletes by filter or by SowKeys have no group (grp null).
+    `grp` is the JSON array of the key values' tokens (`key_token`: the texts the SowKey is made
+    of), or the publisher's sow-key: equal groups <=> equal SowKey. Deletes by filter or by SowKeys
+    have no group (grp null).
     """
     from pyspark.sql import functions as F
 
@@ -229,12 +304,14 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
         df = df.select("*", header_key.alias("grp0"), key_ok.alias("grp_ok"))
     else:
         paths = spec.key_spec.split
-        df = df.select("*", *[F.to_json(F.variant_get("v", _variant_path(parts), "variant")).alias(f"k{n}") for n, parts in enumerate(paths)])
+        df = df.select("*", *[F.variant_get("v", _variant_path(parts), "variant").alias(f"kv{n}") for n, parts in enumerate(paths)])
+        df = df.select("*", *[F.to_json(f"kv{n}").alias(f"k{n}") for n in range(len(paths))])
         texts = [col(f"k{n}") for n in range(len(paths))]
         grp_ok = F.lit(True)
         for t in texts:  # present, not null, a scalar
             grp_ok = grp_ok & t.isNotNull() & (t != "null") & ~F.substring(t, 1, 1).isin("{", "[")
-        df = df.select("*", F.concat(F.lit("["), F.concat_ws(",", *texts), F.lit("]")).alias("grp0"), grp_ok.alias("grp_ok"))
+        tokens = [key_token(col(f"kv{n}")) for n in range(len(paths))]
+        df = df.select("*", F.concat(F.lit("["), F.concat_ws(",", *tokens), F.lit("]")).alias("grp0"), grp_ok.alias("grp_ok"))
 
     command = F.when(col("cmd_raw").isNull(), F.when(col("rank") == 1, "delta_publish").otherwise("publish")).otherwise(F.lower(_strip(col("cmd_raw"))))
     is_object = col("v").isNotNull() & F.expr("is_valid_utf8(text)") & F.expr("substring(trim(LEADING ' \t\n\r' FROM text), 1, 1) = '{'")  # JSON whitespace
@@ -526,8 +603,7 @@ def snapshot(
     # runs once (`release` unpersists).
     chained = chains(groups, spec).persist(StorageLevel.MEMORY_AND_DISK)
     result = records(chained)
-    if spec.expiry.active:
-        result = result.where(F.col("expires_at").isNull() | (F.col("expires_at") > as_of))
+    result = result.where(live_expr(spec, F.col("expires_at"), as_of))
     result = result.select(sow_key.alias("sow_key"), "record", "expires_at", "updated_at")
     if folded is not None:
         result = result.unionByName(folded)

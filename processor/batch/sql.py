@@ -3,15 +3,18 @@
 Each SOW topic of the topology that the query mentions becomes a temporary view named like the
 topic with dots as underscores (`orders` -> orders, `eu.orders` -> eu_orders). A view is the
 latest record per SowKey of `<topic>.sow` (the compacted changelog the workers write; the
-highest offset wins, tombstones leave), with the records' fields as columns: Spark infers the
-schema from the JSON values (nested objects become structs), plus `_sow_key` and `_expires_at`.
+highest offset wins; tombstones, and records past their instant that no worker has removed yet,
+leave), with the records' fields as columns: Spark infers the schema from the JSON values (nested
+objects become structs), plus `_sow_key` and `_expires_at`.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import TYPE_CHECKING
 
+from processor.batch.snapshot import live_expr
 from processor.contract import headers as H
 from processor.topology import MessageType, SowTopic, Topology
 
@@ -49,7 +52,8 @@ def current_sow(spark: SparkSession, bootstrap: str, spec: SowTopic) -> DataFram
     )
     expires = F.expr(f"try_element_at(filter(headers, h -> h.key = '{H.EXPIRES_AT}'), -1).value").cast("string").cast("long")
     latest = raw.groupBy("key").agg(F.max_by(F.struct(F.col("value").cast("string").alias("json"), expires.alias("expires_at")), F.struct("offset", "partition")).alias("last"))
-    current = latest.where(F.col("last.json").isNotNull()).select(
+    now = time.time_ns() // 1_000_000
+    current = latest.where(F.col("last.json").isNotNull() & live_expr(spec, F.col("last.expires_at"), now)).select(
         F.col("key").cast("string").alias("_sow_key"), F.col("last.expires_at").alias("_expires_at"), F.col("last.json").alias("json")
     ).cache()
     if current.isEmpty():

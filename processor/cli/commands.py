@@ -107,14 +107,22 @@ def _bootstrap_or_embedded(bootstrap: str | None):
         yield kafka.bootstrap
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None):
-    from processor.runners.faust.loop import Guarantee, LoopSettings
-    from processor.runners.faust.worker import SowWorker
-
+def _topology_for_worker(topology: str | None):
+    """The topology a worker runs, its warnings told to the operator at start."""
     try:
         topo = load_topology(topology)
     except TopologyError as exc:
         _fail(str(exc))
+    for warning in topo.warnings():
+        click.echo(f"warning: {warning}", err=True)
+    return topo
+
+
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None):
+    from processor.runners.faust.loop import Guarantee, LoopSettings
+    from processor.runners.faust.worker import SowWorker
+
+    topo = _topology_for_worker(topology)
     topology_dir = Path(topology).resolve().parent.parent if topology else None
     settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None)
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
@@ -197,10 +205,7 @@ def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoin
     """`ksow up --engine spark`: one streaming query per SOW topic until Ctrl-C or SIGTERM."""
     import signal
 
-    try:
-        topo = load_topology(topology)
-    except TopologyError as exc:
-        _fail(str(exc))
+    topo = _topology_for_worker(topology)
     try:
         import pyspark  # noqa: F401
     except ImportError:

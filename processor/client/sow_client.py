@@ -27,6 +27,7 @@ from processor.contract import headers as H
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.durations import parse_duration_ms
+from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
@@ -209,7 +210,9 @@ class Client:
 
     def _snapshot(self, spec: SowTopic, after_seq: int | None = None) -> tuple[dict, dict[int, int], Any, list[tuple]]:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
-        (with `after_seq`) the last change of every record whose event ID is above it, in order."""
+        (with `after_seq`) the last change of every record whose event ID is above it, in order.
+
+        Records past their instant are left out (see `_decode_change`), swept or not."""
         consumer = make_consumer(self.bootstrap)
         topic = _live_topic(spec)
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
@@ -223,9 +226,12 @@ class Client:
             parsed = self._parse(codec, msg)
             if parsed is None:
                 continue
-            change = _apply_change(state, parsed)
+            change = _apply_change(state, parsed, spec.expiry)
             if after_seq is not None and change[2] is not None and change[2] > after_seq:
                 since[change[1]] = change
+        now = _now_ms()
+        for key in [k for k, (_, _, expires) in state.items() if not spec.expiry.is_live(expires, now)]:
+            del state[key]
         return state, ends, consumer, sorted(since.values(), key=lambda c: c[2])
 
     def query(
@@ -400,7 +406,7 @@ class Client:
                     if parsed is None:
                         continue
                     # A transient topic's messages come whole, each as if new (a delta subscriber too).
-                    change = _apply_change(state if stored else {}, parsed)
+                    change = _apply_change(state if stored else {}, parsed, spec.expiry)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.change(*change)
                         if event is None:
@@ -448,15 +454,26 @@ def _only_events(feed: Iterator[tuple[int, dict]]) -> Iterator[dict]:
         feed.close()
 
 
-def _apply_change(state: dict, change: SowMessage) -> tuple:
-    """(op, key, seq, record before, record after, expires_at) of one `.sow` change; updates `state`."""
-    key, after = change.key, change.record
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _apply_change(state: dict, change: SowMessage, policy: ExpiryPolicy) -> tuple:
+    """(op, key, seq, record before, record after, expires_at) of one `.sow` change; updates `state`.
+
+    A version already past its instant when it is read (a reader behind, a sweep behind) is never
+    delivered: it is read as the record expiring, so a subscriber that held the record is told it
+    left (op expire) and the worker's own expire event, when it comes, finds nothing to remove.
+    """
+    key, after, op = change.key, change.record, change.op
     before = state.get(key)
+    if after is not None and not policy.is_live(change.expires_at, _now_ms()):
+        after, op = None, Op.EXPIRE
     if after is None:
         state.pop(key, None)
     else:
         state[key] = (after, change.seq, change.expires_at)
-    return change.op, key, change.seq, before[0] if before else None, after, change.expires_at
+    return op, key, change.seq, before[0] if before else None, after, change.expires_at
 
 
 def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0) -> Any:

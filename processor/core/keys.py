@@ -1,8 +1,23 @@
 """SOW keys: which record a message updates, and which partition owns that record.
 
 A SowKey is opaque to users. For topics with key paths it is a 64-bit checksum over the key domain
-and the key field values (same domain + fields + values => same key, whatever the field order in
-the message). Topics without key paths take the publisher's `sow-key` header as the SowKey.
+and the *text* of each key field value, as AMPS makes it (same domain + texts => same key, whatever
+the field order in the message), so `{"id": 5}` and `{"id": "5"}` are one record. The text of a
+value (`key_text`):
+- a string: itself, exactly (no trimming, no case folding);
+- an integer: its decimal digits (`-` for negatives);
+- a floating-point number with an integral value below 2**53 in magnitude: the same as that
+  integer (`5.0` -> `5`: JSON does not tell 5 from 5.0, nor do ksow filters);
+- any other floating-point number: the shortest decimal that reads back as the same number,
+  Python's `repr` (`0.1` -> `0.1`, `1.5e-05`, `1e+22`);
+- a boolean: `true` or `false`;
+- Avro logical types (timestamps, dates, UUIDs): their JSON text (ISO-8601, the UUID's hex form).
+Null (or a missing field), objects and arrays are not key values: such a message is rejected.
+
+Topics without key paths take the publisher's `sow-key` header as the SowKey.
+
+KEY_FORMAT numbers this rule. Version 1 (before it) checksummed the values' JSON, types included
+(5 and "5" were two records); a store written by it is detected by `processor.state.keyformat`.
 """
 
 from __future__ import annotations
@@ -64,9 +79,37 @@ class KeySpec:
         return checksum_key(self.domain, self.key_values(record))
 
 
+KEY_FORMAT = 2  # the SowKey rule of this module (see the module docstring)
+_EXACT_INT = 2**53  # floats below this magnitude hold every integer exactly
+
+
+def key_text(value: Any) -> str:
+    """The text of one key value (see the module docstring); KeyError_ for what cannot be one."""
+    kind = type(value)
+    if kind is str:
+        return value
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is int:
+        return str(value)
+    if kind is float:
+        if value.is_integer() and abs(value) < _EXACT_INT:
+            return str(int(value))
+        return repr(value)
+    try:
+        text = orjson.loads(orjson.dumps(value))
+    except TypeError:
+        text = None
+    if type(text) is not str:
+        raise KeyError_(f"a key value must be text, a number or a boolean, got {kind.__name__}")
+    return text
+
+
 def checksum_key(domain: str, values: list[Any]) -> SowKey:
-    """Checksum over domain + values with a separator no JSON text contains raw (0x1f)."""
-    payload = domain.encode() + b"\x1f" + orjson.dumps(values)
+    """64-bit checksum over the domain and the values' texts. The texts go in as a JSON array: it
+    delimits each text, and it never holds a raw 0x1f, the byte that ends the domain. A key of
+    string values is the same as under key format 1."""
+    payload = domain.encode() + b"\x1f" + orjson.dumps([key_text(v) for v in values])
     return str(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
 
 

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 from processor.contract.errors import KsowError
 from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
+from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import Filter, compile_filter
 from processor.core.paths import MISSING, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
@@ -158,12 +159,18 @@ def run_query(
     indexes: tuple[tuple[str, ...], ...],
     key_paths: tuple[tuple[str, ...], ...] = (),
     limits: QueryLimits | None = None,
+    policy: ExpiryPolicy = ExpiryPolicy(),
+    now_ms: int | None = None,
 ) -> tuple[list[dict], QueryPlan]:
     """The matching records of the given partitions as result dicts, ordered and cut to `top`.
 
     Raises QueryLimitError as soon as more than `limits.max_rows` records matched or the query
-    ran past `limits.max_seconds` (checked every QueryLimits.CHECK_EVERY records read)."""
+    ran past `limits.max_seconds` (checked every QueryLimits.CHECK_EVERY records read).
+    Records past their instant (by `policy.is_live` at `now_ms`, default now) are left out even
+    when the expiry sweep has not removed them yet; the check costs one comparison per match.
+    """
     check = (limits or QueryLimits()).start()
+    now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     predicate = compile_filter(query.filter) if query.filter else None
     plan = QueryPlan(None)
     select = selection(query, key_paths)
@@ -181,6 +188,8 @@ def run_query(
                 if predicate is None or predicate.matches(record.data):
                     rows.append((key, record))
     check(len(rows))
+    if policy.active:
+        rows = [row for row in rows if policy.is_live(row[1].expires_at, now)]
     rows = order_and_cut(rows, query, lambda row: row[1].data)
     return [result(key, rec, select) for key, rec in rows], plan
 

@@ -7,7 +7,8 @@ Everything SOW-specific lives here, once, for every backend:
   x<expires_at:be64><SowKey>       -> ''      expiry index: each tick reads only what is due
   u<updated_at:be64><SowKey>       -> ''      age index: capacity evicts the least recently updated
   i<index#><values hash><SowKey>   -> ''      hash indexes: equality queries without a scan
-  m<name>                          -> int     metadata (changelog position, event-ID counter, count)
+  m<name>                          -> int     metadata (changelog position, event-ID counter, count,
+                                              the SowKey rule the records were checked against)
 
 Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
 batch, so a crash leaves the store at a consistent changelog position.
@@ -39,6 +40,7 @@ _BE64 = struct.Struct(">Q")
 _INT = struct.Struct(">q")
 _NO_EXPIRY = -1
 _END = b"\xff" * 9
+_KEY_FORMAT = "keyformat"
 
 
 class KeyValueBackend(Protocol):
@@ -131,6 +133,16 @@ class PartitionStore:
             return self._meta[name]
         raw = self.backend.get(_META + name.encode())
         return default if raw is None else _INT.unpack(raw)[0]
+
+    def key_format(self) -> int:
+        """The SowKey rule (`processor.core.keys.KEY_FORMAT`) this store's records are known to
+        follow: the one last stamped by `set_key_format`, else 1 (stores from before the rule was
+        numbered, and stores not checked yet; `processor.state.keyformat` checks them)."""
+        return self.meta(_KEY_FORMAT, 1)
+
+    def set_key_format(self, version: int) -> None:
+        """Stamp the SowKey rule; written with the next commit, like any metadata."""
+        self.set_meta(_KEY_FORMAT, version)
 
     def records(self) -> Iterator[tuple[str, SowRecord]]:
         """Every committed record, in SowKey byte order (staged writes are not visible here)."""

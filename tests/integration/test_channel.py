@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
 import orjson
 import pytest
 
@@ -154,3 +159,99 @@ def test_subscriber_resumes_after_an_event_id(kafka_bootstrap, unique_name, tmp_
         assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     finally:
         w.kill()
+
+
+# The table of docs/topology.md that maps each UM channel type and AMPS SOW kind to ksow settings:
+# every row is checked here, so the table cannot say what the workers do not do.
+_TABLE = Path(__file__).resolve().parents[2] / "docs" / "topology.md"
+_PENDING: dict[str, str] = {}  # rows whose behaviour the engine does not have yet (strict xfail: they fail once it does)
+
+
+@dataclass(frozen=True)
+class Row:
+    source: str
+    options: tuple[tuple[str, str], ...]
+    after_restart: str  # kept | lost | nothing stored
+    event_ids: str  # continue
+
+
+def _rows() -> list[Row]:
+    text = _TABLE.read_text()
+    body = text[text.index("<!-- channel-types: begin -->") : text.index("<!-- channel-types: end -->")]
+    rows = []
+    for line in body.splitlines()[3:]:
+        if line.startswith("|"):
+            source, _, settings, after, ids = (c.strip() for c in line.strip("|").split("|"))
+            rows.append(Row(source, tuple(re.findall(r"`(\w+): ([^`]+)`", settings)), after, ids))
+    return rows
+
+
+def _param(row: Row):
+    persistence = dict(row.options)["persistence"]
+    marks = [pytest.mark.xfail(strict=True, reason=_PENDING[persistence])] if persistence in _PENDING else []
+    return pytest.param(row, id=row.source, marks=marks)
+
+
+@dataclass
+class Restarted:
+    before: list[int]  # the ids a query returned before the restart
+    query: list[int]  # ... and after it (one more record was published after the restart)
+    snapshot: list[int]  # what `subscribe --sow` returned after it
+    seqs_before: list[int]  # every sow-seq on <topic>.sow before the restart
+    seqs_after: list[int]  # ... and the ones written after it
+
+
+_runs: dict[tuple, Restarted] = {}
+
+
+@pytest.fixture
+def restarted(kafka_bootstrap, tmp_path_factory):
+    """Run a topic with the given settings through a worker restart, once per distinct settings."""
+
+    def run(options: tuple[tuple[str, str], ...]) -> Restarted:
+        if options not in _runs:
+            tmp = tmp_path_factory.mktemp("channel")
+            topic = f"t_channel_{dict(options)['persistence']}_{uuid.uuid4().hex[:8]}"
+            w, client = start(kafka_bootstrap, tmp, topic, **dict(options))
+            try:
+                for i in range(5):
+                    client.publish(topic, {"id": i, "v": i})
+                client.flush()
+                wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) >= 5)
+                before = ids(client, topic)
+                w.stop()
+            finally:
+                w.kill()
+            seqs_before = [int(headers_of(m)["sow-seq"]) for m in read_all(kafka_bootstrap, f"{topic}.sow")]
+            w2, _ = start(kafka_bootstrap, tmp, topic, name="w2", **dict(options))
+            try:
+                client.publish(topic, {"id": 5, "v": 5})
+                client.flush()
+                key = client.spec(topic).key_spec.sow_key({"id": 5})
+                wait_until(lambda: any(m.key().decode() == key for m in read_all(kafka_bootstrap, f"{topic}.sow")))
+                after = read_all(kafka_bootstrap, f"{topic}.sow")
+                seqs_after = [int(headers_of(m)["sow-seq"]) for m in after if int(headers_of(m)["sow-seq"]) not in set(seqs_before)]
+                snapshot = sorted(e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1))
+                _runs[options] = Restarted(before, ids(client, topic), snapshot, seqs_before, seqs_after)
+            finally:
+                w2.kill()
+        return _runs[options]
+
+    return run
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in _rows()])
+def test_channel_type_row(restarted, row):
+    """What survives a restart, and that event IDs go on, as docs/topology.md says for this row."""
+    run = restarted(row.options)
+    stored = {"kept": list(range(6)), "lost": [5], "nothing stored": []}[row.after_restart]
+    assert run.before == (list(range(5)) if stored else [])
+    assert (run.query, run.snapshot) == (stored, stored)
+    assert row.event_ids == "continue"  # ksow never reuses an event ID, whatever the source did
+    assert run.seqs_after and min(run.seqs_after) > max(run.seqs_before)
+
+
+def test_the_table_has_every_source_of_the_seeds():
+    sources = {r.source.split(",")[0] for r in _rows()}
+    channels = {f"UM {t} channel" for t in ("Persistent", "Mixed", "Reliable", "Simple", "Transient", "Off-heap", "Paged")}
+    assert channels | {"AMPS persistent SOW topic", "AMPS transient SOW topic", "AMPS topic without a SOW"} == sources

@@ -110,3 +110,77 @@ def test_records_moved_by_rebalance_expire_exactly_once(env, kafka_bootstrap):
     counts = Counter(m.key().decode() for m in read_all(kafka_bootstrap, f"EXP.{topic}"))
     assert set(counts) == keys and set(counts.values()) == {1}
     assert ids(client, topic) == []
+
+
+def _worker_for(kafka_bootstrap, tmp_path, topic, **options):
+    path = write_topology(tmp_path, topic, **options)
+    return Worker(kafka_bootstrap, path, f"g-{topic}", tmp_path / "d1"), Client(kafka_bootstrap, load_topology(path))
+
+
+def _sow_versions(bootstrap, topic):
+    """(record, sow-expires-at or None, the input's timestamp) of each version on `<topic>.sow`."""
+    published = {m.key().decode(): m.timestamp()[1] for m in read_all(bootstrap, topic)}
+    return {
+        orjson.loads(m.value())["id"]: (headers_of(m).get("sow-expires-at"), published[m.key().decode()])
+        for m in read_all(bootstrap, f"{topic}.sow")
+        if m.value() is not None
+    }
+
+
+def test_expiration_zero_is_no_default_lifetime(kafka_bootstrap, unique_name, tmp_path):
+    """`expiration: 0` keeps records indefinitely (a UM TTL of 0); per-message lifetimes still expire."""
+    topic = unique_name
+    w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration=0)
+    w.start()
+    try:
+        client.publish(topic, {"id": 1})
+        short = client.publish(topic, {"id": 2}, expiration="1s")
+        client.flush()
+        wait_until(lambda: short in expired(kafka_bootstrap, topic), timeout=30)
+        assert ids(client, topic) == [1]
+        assert _sow_versions(kafka_bootstrap, topic)[1][0] is None  # no instant at all
+    finally:
+        w.kill()
+
+
+def test_topic_default_lifetime_overrides_the_clamps(kafka_bootstrap, unique_name, tmp_path):
+    """Artemis: expiry-delay overrides min/max-expiry-delay, and leaves a message's own expiration
+    as it is; ksow's topic default lifetime is that expiry-delay. The worker warns at start."""
+    topic = unique_name
+    w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration="1s", min_expiration="3s", max_expiration="4s")
+    w.start()
+    try:
+        default = client.publish(topic, {"id": 1})
+        client.publish(topic, {"id": 2}, expiration="20s")
+        client.flush()
+        wait_until(lambda: default in expired(kafka_bootstrap, topic), timeout=30)
+        versions = _sow_versions(kafka_bootstrap, topic)
+        lifetimes = {i: int(at) - published for i, (at, published) in versions.items()}
+        assert 1_000 <= lifetimes[1] < 2_500, lifetimes  # not raised to min_expiration (3s)
+        assert 19_000 <= lifetimes[2] <= 20_000, lifetimes  # not cut to max_expiration (4s)
+        assert ids(client, topic) == [2]
+        assert "overrides min_expiration, max_expiration" in w.log()
+    finally:
+        w.kill()
+
+
+def test_records_past_their_instant_are_never_delivered(kafka_bootstrap, unique_name, tmp_path):
+    """No worker has swept them (it is down): the client's own read of `<topic>.sow`, the
+    subscription snapshot and its live stream still never show a record past its instant."""
+    topic = unique_name
+    w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration="enabled")
+    w.start()
+    client.publish(topic, {"id": 1})
+    client.publish(topic, {"id": 2}, expiration="6s")
+    client.flush()
+    wait_until(lambda: ids(client, topic) == [1, 2])
+    live = client.subscribe(topic, sow=False, timeout=3)  # the stream starts here, read later
+    client.publish(topic, {"id": 3}, expiration="6s")
+    client.flush()
+    wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) == 3)
+    w.kill()  # before the instants: nobody sweeps them
+    time.sleep(6.5)
+    assert not expired(kafka_bootstrap, topic)
+    assert ids(client, topic) == [1] and client.last_query_source == "changelog"
+    assert [e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1)] == [1]
+    assert [e["record"]["id"] for e in live] == []

@@ -170,17 +170,19 @@ def test_replay_from_instant(spark, scripted):
 
 
 def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
-    """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones out, fields as columns."""
+    """`ksow sql`: the latest record per key of `<topic>.sow`, tombstones and records past their
+    instant (not removed by any worker yet) out, fields as columns."""
     from processor.kafka.clients import topic_configs
     from processor.batch.sql import run_sql
 
     name = f"t_spark_sql_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2)
+    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2, expiration="enabled")
     ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
     producer = make_producer(kafka_bootstrap)
 
-    def put(i: int, record: dict | None) -> None:
-        producer.produce(spec.sow_topic, None if record is None else orjson.dumps(record), spec.key_spec.sow_key({"order_id": i}).encode())
+    def put(i: int, record: dict | None, expires_at: int | None = None) -> None:
+        headers = [] if expires_at is None else [("sow-expires-at", b"%d" % expires_at)]
+        producer.produce(spec.sow_topic, None if record is None else orjson.dumps(record), spec.key_spec.sow_key({"order_id": i}).encode(), headers=headers)
 
     put(1, {"order_id": 1, "region": "eu", "qty": 10})
     put(2, {"order_id": 2, "region": "eu", "qty": 5})
@@ -188,11 +190,14 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     put(1, {"order_id": 1, "region": "eu", "qty": 20})  # a newer version of 1
     put(4, {"order_id": 4, "region": "us", "qty": 100})
     put(4, None)  # 4 left the SOW
+    now = int(time.time() * 1000)
+    put(5, {"order_id": 5, "region": "us", "qty": 1000}, expires_at=now - 1)  # past its instant
+    put(6, {"order_id": 6, "region": "eu", "qty": 1}, expires_at=now + 3_600_000)
     assert producer.flush(30) == 0
     view = spec.topic.replace(".", "_")
     topology = Topology(sow=[spec])
     rows = run_sql(spark, kafka_bootstrap, topology, f"SELECT region, count(*) AS n, sum(qty) AS qty FROM {view} GROUP BY region ORDER BY region").collect()
-    assert [r.asDict() for r in rows] == [{"region": "eu", "n": 2, "qty": 25}, {"region": "us", "n": 1, "qty": 7}]
+    assert [r.asDict() for r in rows] == [{"region": "eu", "n": 3, "qty": 26}, {"region": "us", "n": 1, "qty": 7}]
 
 
 LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
@@ -203,6 +208,7 @@ POLICIES = [
     dict(expiration="30s", min_expiration="20s", max_expiration="1m"),
     dict(expiration="enabled", max_expiration="1h"),
     dict(expiration="enabled", min_expiration="1s"),
+    dict(expiration=0, max_expiration="1h"),
 ]
 
 
@@ -227,6 +233,68 @@ def test_lifetime_expression_agrees_with_the_core(spark):
                 expected = (False, None)
             row = rows[raw]
             assert (row[f"v{n}"], row[f"l{n}"] if row[f"v{n}"] else None) == expected, (policy, raw)
+
+
+def _key_value_corpus() -> list[str]:
+    """JSON spellings of key values: the cases the text rule names, then random doubles of every
+    kind (raw bit patterns, short decimals, all magnitudes) as orjson writes them."""
+    import random
+    import struct
+
+    fixed = ['5', '5.0', '5e0', '"5"', '-0', '-0.0', '0.1', '0.10', '1e-1', '"0.1"', 'true', '"true"', 'false', '"false"',
+             '1.5E-5', '1e22', '1e16', '9.1e15', '0.0001', '0.00001', '-2.5', '8.41E21', '0.30000000000000004', '5e-324',
+             '9007199254740993', '9007199254740993.0', '9223372036854775807', '9223372036854775808', '18446744073709551615',
+             '18446744073709551616', '-9223372036854775808', '-9223372036854775809', '123456789.123', '"a\\"b"', '"\\u00e9"', '""']
+    rnd = random.Random(13)
+    drawn = []
+    while len(drawn) < 2000:
+        kind = rnd.random()
+        if kind < 0.3:
+            x = struct.unpack("d", struct.pack("Q", rnd.getrandbits(64)))[0]
+        elif kind < 0.6:
+            x = round(rnd.uniform(-1e6, 1e6), rnd.randint(0, 8))
+        else:
+            x = rnd.uniform(-10, 10) * 10 ** rnd.randint(-300, 300)
+        if x == x and abs(x) != float("inf"):
+            drawn.append(orjson.dumps(x).decode())
+    return fixed + drawn
+
+
+def test_key_groups_agree_with_the_core_key_texts(spark):
+    """The snapshot job groups inputs by `key_token`s: each must stand for the text the core makes
+    the SowKey of (`key_text`), and equal texts must give one group (5, 5.0 and "5" are one record)."""
+    from pyspark.sql import functions as F
+
+    from processor.batch.snapshot import key_token
+    from processor.core.keys import key_text
+
+    corpus = _key_value_corpus()
+    df = spark.createDataFrame([(f'{{"k": {v}}}',) for v in corpus], "t string")
+    rows = df.select("t", key_token(F.variant_get(F.expr("parse_json(t)"), "$['k']", "variant")).alias("token")).collect()
+    tokens_of: dict[str, set[str]] = {}
+    for row in rows:
+        text = key_text(orjson.loads(row["t"])["k"])
+        assert key_text(orjson.loads(row["token"])) == text, (row["t"], row["token"])
+        tokens_of.setdefault(text, set()).add(row["token"])
+    assert {text: tokens for text, tokens in tokens_of.items() if len(tokens) > 1} == {}
+    assert tokens_of["5"] == {'"5"'} and tokens_of["0.1"] == {'"0.1"'} and tokens_of["true"] == {'"true"'}
+
+
+def test_snapshot_keys_five_and_string_five_as_one_record(spark, kafka_bootstrap, admin):
+    from processor.batch.snapshot import snapshot
+
+    spec = SowTopic(topic=f"t_spark_keys_{int(time.time() * 1000) % 10**9}", key=["/id", "/leg"], partitions=2)
+    _create(admin, spec)
+    producer = make_producer(kafka_bootstrap)
+    for at, value in ((1, {"id": 5, "leg": True, "v": 1}), (2, {"id": "5", "leg": "true", "w": 2}), (3, {"id": 5.0, "leg": "1", "v": 3})):
+        producer.produce(spec.topic, orjson.dumps(value), b"k", timestamp=T0 + at)
+    producer.produce(spec.delta_topic, orjson.dumps({"id": 5, "leg": True, "x": 4}), b"k", timestamp=T0 + 4)
+    assert producer.flush(30) == 0
+    rows = {r["sow_key"]: orjson.loads(r["record"]) for r in snapshot(spark, kafka_bootstrap, spec, T0 + 10).collect()}
+    assert rows == {
+        spec.key_spec.sow_key({"id": 5, "leg": True}): {"id": 5, "leg": True, "w": 2, "x": 4},
+        spec.key_spec.sow_key({"id": 5, "leg": "1"}): {"id": 5.0, "leg": "1", "v": 3},
+    }
 
 
 def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):

@@ -73,9 +73,60 @@ def test_clamps_as_artemis():
     assert both.lifetime_ms(None) == 60_000  # no lifetime -> max
     assert both.lifetime_ms(0) == 60_000  # "never" is still bounded by the operator's max
     assert ExpiryPolicy(ExpirationMode.ENABLED, None, 1_000, None).lifetime_ms(None) == 1_000  # else min
-    assert ExpiryPolicy(ExpirationMode.DEFAULT, 30_000, None, 10_000).lifetime_ms(None) == 10_000
+
+
+def test_topic_default_overrides_the_clamps():
+    # Artemis: any expiry-delay overrides min/max-expiry-delay, and a message's own expiration is
+    # left unchanged; the topic default lifetime is ksow's expiry-delay.
+    policy = ExpiryPolicy(ExpirationMode.DEFAULT, 1_000, 5_000, 10_000)
+    assert not policy.clamped
+    assert policy.lifetime_ms(None) == 1_000
+    assert policy.lifetime_ms(60_000) == 60_000
+    assert policy.lifetime_ms(10) == 10
+    assert policy.lifetime_ms(0) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode=ExpirationMode.DEFAULT), dict(default_ms=5), dict(mode=ExpirationMode.DEFAULT, default_ms=0), dict(min_ms=0), dict(max_ms=-1)])
+def test_policy_rejects_settings_without_meaning(kwargs):
+    with pytest.raises(ValueError):
+        ExpiryPolicy(**kwargs)
+
+
+lifetimes = st.none() | st.integers(0, 10**9)
+bounds = st.none() | st.integers(1, 10**9)
+
+
+@st.composite
+def policies(draw):
+    mode = draw(st.sampled_from(ExpirationMode))
+    default = draw(st.integers(1, 10**9)) if mode is ExpirationMode.DEFAULT else None
+    lo, hi = sorted([draw(bounds) or 0, draw(bounds) or 0])
+    return ExpiryPolicy(mode, default, lo or None, hi or None)
+
+
+@given(policies(), lifetimes)
+def test_lifetime_property(policy, message_ms):
+    """The whole rule: the message's lifetime (0 = never), else the topic default; clamped only on
+    topics without a default, where a record with no lifetime takes max, else min."""
+    wanted = (message_ms or None) if message_ms is not None else policy.default_ms
+    got = policy.lifetime_ms(message_ms)
+    if policy.default_ms is not None or (policy.min_ms is None and policy.max_ms is None):
+        assert got == wanted
+    elif wanted is None:
+        assert got == (policy.max_ms if policy.max_ms is not None else policy.min_ms)
+    else:
+        assert got is not None
+        assert got >= (policy.min_ms or 0) and (policy.max_ms is None or got <= policy.max_ms)
+        if (policy.min_ms or 0) <= wanted <= (policy.max_ms or wanted):
+            assert got == wanted
 
 
 def test_is_due():
     assert is_due(100, 100) and is_due(99, 100)
     assert not is_due(101, 100) and not is_due(None, 100)
+
+
+@given(policies(), st.none() | st.integers(0, 10**6), st.integers(0, 10**6))
+def test_a_record_is_live_until_its_instant(policy, expires_at, now):
+    # At its instant a record is gone; on a disabled topic instants are stored, never acted on.
+    assert policy.is_live(expires_at, now) == (not policy.active or expires_at is None or expires_at > now)

@@ -1,10 +1,16 @@
 """SowKeys: deterministic over domain + values, independent of field order; owner partitions."""
 
+import datetime
+import decimal
+import hashlib
+import uuid
+
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from processor.core.keys import KeyError_, KeySpec, murmur2, owner_partition
+from processor.core.keys import KeyError_, KeySpec, checksum_key, key_text, murmur2, owner_partition
 
 ORDERS = KeySpec("orders", ("/order_id",))
 
@@ -17,8 +23,47 @@ def test_same_values_same_key_and_domain_matters():
     assert a == KeySpec("orders", ("/order_id",)).sow_key({"order_id": 5})
 
 
-def test_types_are_part_of_the_value():
-    assert ORDERS.sow_key({"order_id": 5}) != ORDERS.sow_key({"order_id": "5"})
+def test_the_key_is_made_of_the_values_text():
+    """AMPS makes the SowKey from the key values as text: 5 and "5" are one record."""
+    five = ORDERS.sow_key({"order_id": 5})
+    assert five == ORDERS.sow_key({"order_id": "5"}) == ORDERS.sow_key({"order_id": 5.0})
+    assert ORDERS.sow_key({"order_id": True}) == ORDERS.sow_key({"order_id": "true"})
+    assert ORDERS.sow_key({"order_id": 0.1}) == ORDERS.sow_key({"order_id": "0.1"})
+    assert five != ORDERS.sow_key({"order_id": " 5"}) and five != ORDERS.sow_key({"order_id": "5.0"})
+    assert ORDERS.sow_key({"order_id": "Ab"}) != ORDERS.sow_key({"order_id": "ab"})
+
+
+@pytest.mark.parametrize("value,text", [
+    ("5", "5"), ("", ""), (5, "5"), (-12, "-12"), (2**64 - 1, "18446744073709551615"), (5.0, "5"), (-0.0, "0"),
+    (0.1, "0.1"), (-2.5, "-2.5"), (1.5e-05, "1.5e-05"), (1e22, "1e+22"), (2.0**53, "9007199254740992.0"),
+    (True, "true"), (False, "false"),
+    (datetime.date(2024, 1, 2), "2024-01-02"), (uuid.UUID(int=5), "00000000-0000-0000-0000-000000000005"),
+])
+def test_key_text(value, text):
+    assert key_text(value) == text
+
+
+@pytest.mark.parametrize("value", [b"raw", decimal.Decimal("1.5"), None, {"a": 1}])
+def test_values_without_a_text_are_not_keys(value):
+    with pytest.raises(KeyError_, match="a key value must be text, a number or a boolean"):
+        key_text(value)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_a_number_text_reads_back_as_the_number(x):
+    assert float(key_text(x)) == x
+
+
+@given(st.lists(st.text(max_size=5), min_size=1, max_size=4), st.lists(st.text(max_size=5), min_size=1, max_size=4))
+def test_composite_keys_are_unambiguous(a, b):
+    """Texts are delimited, so ("a,b") and ("a", "b") (or any other split) are different keys."""
+    assert (checksum_key("d", a) == checksum_key("d", b)) == (a == b)
+
+
+def test_string_keys_are_the_same_as_under_key_format_1():
+    """The payload of format 1 was the values' JSON: string-keyed SOWs keep their SowKeys."""
+    payload = b"orders\x1f" + orjson.dumps(["A-1", "eu"])
+    assert checksum_key("orders", ["A-1", "eu"]) == str(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
 
 
 def test_composite_and_nested_keys():

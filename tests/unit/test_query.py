@@ -129,3 +129,20 @@ def test_limits_default_from_the_environment(monkeypatch):
 def test_negative_top_is_refused():
     with pytest.raises(ValueError, match="top must not be negative"):
         SowQuery.from_params({"top": "-1"})
+
+
+@pytest.mark.parametrize("query", [SowQuery(), SowQuery("/n > 0"), SowQuery("/g = 1"), SowQuery(keys=("a", "b", "c", "d")), SowQuery(top=2, order_by="/n")])
+def test_records_past_their_instant_are_never_returned(tmp_path, query):
+    """Whatever the sweep's progress, and whichever path (scan, index, keys, top) answers."""
+    from processor.core.expiry import ExpirationMode, ExpiryPolicy
+
+    store = open_partition_store("memory", None, IndexSpec((("/g",),)))
+    for key, n, expires in (("a", 1, None), ("b", 2, 999), ("c", 3, 1_000), ("d", 4, 1_001)):
+        store.stage(key, SowRecord({"n": n, "g": 1}, n, expires))
+    store.commit()
+    now = 1_000
+    live, _ = run_query([store], query, (("/g",),), policy=ExpiryPolicy(ExpirationMode.ENABLED), now_ms=now)
+    assert sorted(r["sow_key"] for r in live) == ["a", "d"][: query.top or 2]
+    # A topic whose expiration is disabled only stores instants: nothing is hidden.
+    kept, _ = run_query([store], query, (("/g",),), policy=ExpiryPolicy(), now_ms=now)
+    assert len(kept) == (query.top or 4)

@@ -37,6 +37,10 @@ def test_contract_example():
     ({"topic": "orders", "capacity_policy": "drop"}, "sow[orders].capacity_policy"),
     ({"topic": "orders", "min_expiration": "1h", "max_expiration": "1s"}, "min_expiration is greater"),
     ({"topic": "orders", "colour": "red"}, "sow[orders].colour"),
+    ({"topic": "orders", "min_expiration": 0}, "sow[orders].min_expiration: Value error, must be a positive duration"),
+    ({"topic": "orders", "max_expiration": "0s"}, "sow[orders].max_expiration: Value error, must be a positive duration"),
+    ({"topic": "orders", "min_expiration": -1}, "sow[orders].min_expiration"),
+    ({"topic": "orders", "max_expiration": "-5s"}, "sow[orders].max_expiration"),
 ])
 def test_errors_name_topic_and_field(entry, message):
     with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -55,3 +59,22 @@ def test_expiry_topic_none_and_missing_file(tmp_path):
     assert topo.topic("t").expired_topic is None
     with pytest.raises(TopologyError, match="not found"):
         load_topology(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("expiration", [0, "0", "0s", "0ms"])
+def test_expiration_zero_is_no_default_lifetime(expiration):
+    """As a Universal Messaging TTL of 0: records keep no default lifetime (per-message ones still expire)."""
+    policy = parse_topology({"sow": [{"topic": "t", "expiration": expiration}]}).topic("t").expiry
+    assert policy.mode is ExpirationMode.ENABLED and policy.default_ms is None
+    assert policy.expires_at(1_000, None) is None
+    assert policy.expires_at(1_000, 500) == 1_500
+
+
+def test_warns_when_a_topic_default_overrides_clamps():
+    topo = parse_topology({"sow": [
+        {"topic": "a", "expiration": "30s", "max_expiration": "1h"},
+        {"topic": "b", "expiration": "enabled", "min_expiration": "1s", "max_expiration": "1h"},
+        {"topic": "c", "expiration": "30s"},
+    ]})
+    (warning,) = topo.warnings()
+    assert warning.startswith("sow[a]: expiration 30s") and "overrides max_expiration" in warning

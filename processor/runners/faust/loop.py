@@ -44,6 +44,7 @@ from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
 from processor.runners.faust import metrics
 from processor.state.base import PartitionStore, open_partition_store
+from processor.state.keyformat import check_key_format
 from processor.topology import Persistence, Topology
 
 log = logging.getLogger("ksow.loop")
@@ -539,6 +540,7 @@ class SowLoop:
         partition = task.engine.attach(task.p, store)
         if spec.persistence is not Persistence.TRANSIENT:
             count, reseed = self._replay_changelog(task, store)
+            check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule: stop, say how to rebuild
             log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
             if reseed:
                 partition.reseed(store.records(), out)

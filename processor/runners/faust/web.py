@@ -128,7 +128,7 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
 
         def run():
             served = worker.served(topic)
-            rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths, settings.limits)
+            rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths, settings.limits, engine.spec.expiry)
             return served, rows, plan
 
         try:

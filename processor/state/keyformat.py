@@ -1,0 +1,72 @@
+"""Stores written under an older SowKey rule: found at start, never mixed with the current rule.
+
+Key format 2 (`processor.core.keys.KEY_FORMAT`) makes the SowKey from the text of the key values,
+so SowKeys of records keyed by numbers or booleans changed. A store, or the `<topic>.sow` changelog
+it was rebuilt from, may still hold SowKeys of format 1: a worker that went on with it would keep
+two records for what is now one key. `check_key_format` is called for each partition once its
+store has caught up with the changelog, before any input is applied.
+
+A store of format 1 is refused only if one of its records has a SowKey the current rule does not
+give it: topics keyed by strings only, and topics whose publishers send `sow-key`, have the same
+SowKeys under both rules and are simply stamped.
+"""
+
+from __future__ import annotations
+
+from processor.contract.errors import ConfigError
+from processor.core.keys import KEY_FORMAT, KeyError_
+from processor.state.base import PartitionStore
+from processor.topology import SowTopic
+
+
+class KeyFormatError(ConfigError):
+    """A SOW partition holds SowKeys of an older rule; the message tells the operator how to rebuild."""
+
+
+def stale_key(store: PartitionStore, spec: SowTopic) -> tuple[str, str | None] | None:
+    """The first record whose stored SowKey differs from the one the current rule gives its data:
+    (stored key, current key or None when the data has no valid key any more); None if none does."""
+    if spec.key_spec.user_keys:
+        return None
+    for key, record in store.records():
+        try:
+            current = spec.key_spec.sow_key(record.data)
+        except KeyError_:
+            return key, None
+        if current != key:
+            return key, current
+    return None
+
+
+def check_key_format(store: PartitionStore, spec: SowTopic, partition: int, group: str) -> None:
+    """Raise KeyFormatError if partition `partition` of `spec` holds SowKeys of an older rule;
+    otherwise stamp the store with KEY_FORMAT (committed with its next commit), so the records are
+    scanned only once. Call it with nothing staged, after the changelog restore."""
+    if store.key_format() == KEY_FORMAT:
+        return
+    found = stale_key(store, spec)
+    if found is not None:
+        raise KeyFormatError(rebuild_message(spec, partition, group, *found))
+    store.set_key_format(KEY_FORMAT)
+
+
+def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, current: str | None) -> str:
+    """What the operator reads when a worker refuses a store of an older SowKey rule."""
+    now = f"now has SowKey {current}" if current is not None else "has no valid SowKey now"
+    reset = f"kafka-consumer-groups.sh --bootstrap-server <bootstrap> --group {group} --reset-offsets"
+    return (
+        f"{spec.topic} partition {partition}: the SOW was written under an older SowKey rule (key format 1, "
+        f"where 5 and \"5\" were two records; this ksow uses key format {KEY_FORMAT}). Its record {stored} {now}. "
+        "The worker will not mix both rules. To rebuild the SOW under the new rule: "
+        f"(1) stop every worker of group {group}; "
+        f"(2) delete the SOW: the folder sow/{spec.topic} in each worker's --data-dir, and the topics {spec.sow_topic} "
+        "and <view>.sow of the views of this topic; "
+        f"(3) make the workers read the inputs again from the start, and skip the copies already rerouted: "
+        f"`{reset} --to-earliest --topic {spec.topic} --topic {spec.delta_topic} --execute` and "
+        f"`{reset} --to-latest --topic {spec.repartition_topic} --execute` "
+        f"(the SOW is complete only if {spec.topic} and {spec.delta_topic} still hold every message since it began: check their retention.ms); "
+        "(4) start the workers. Clients that kept SowKeys (sow-keys deletes, --keys queries, --after-seq) must fetch them again."
+    )
+
+
+__all__ = ["KeyFormatError", "check_key_format", "rebuild_message", "stale_key"]

@@ -1,0 +1,72 @@
+"""Stores of an older SowKey rule are found before a worker mixes both rules."""
+
+import hashlib
+
+import orjson
+import pytest
+
+from processor.contract.errors import ConfigError
+from processor.contract.types import SowRecord
+from processor.core.keys import KEY_FORMAT
+from processor.state import IndexSpec, open_partition_store
+from processor.state.keyformat import KeyFormatError, check_key_format
+from processor.topology import SowTopic
+
+ORDERS = SowTopic(topic="orders", key=["/id"], partitions=4)
+
+
+def format1_key(domain: str, values: list) -> str:
+    """The SowKey rule before key texts: a checksum over the values' JSON, types included."""
+    payload = domain.encode() + b"\x1f" + orjson.dumps(values)
+    return str(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_partition_store("rocksdb", str(tmp_path / "p0"), IndexSpec())
+    yield s
+    s.close()
+
+
+def put(store, key: str, data: dict) -> None:
+    store.stage(key, SowRecord(data, 1))
+    store.commit()
+
+
+def test_a_store_of_format_1_with_number_keys_is_refused(store):
+    put(store, ORDERS.key_spec.sow_key({"id": "a"}), {"id": "a"})
+    old = format1_key("orders", [5])
+    put(store, old, {"id": 5})
+    with pytest.raises(KeyFormatError) as caught:
+        check_key_format(store, ORDERS, 3, "ksow")
+    message = str(caught.value)
+    assert isinstance(caught.value, ConfigError)
+    assert message.startswith("orders partition 3: the SOW was written under an older SowKey rule")
+    assert f"record {old} now has SowKey {ORDERS.key_spec.sow_key({'id': 5})}" in message
+    for step in ("stop every worker of group ksow", "sow/orders", "orders.sow", "--reset-offsets --to-earliest --topic orders --topic orders.delta",
+                 "--to-latest --topic orders.repartition"):
+        assert step in message
+    assert store.key_format() == 1  # not stamped: the next start refuses again
+
+
+@pytest.mark.parametrize("records", [[], [{"id": "a"}, {"id": "b-2"}]])
+def test_stores_whose_keys_did_not_change_are_stamped(tmp_path, records):
+    """Empty stores, and string keys (the same under both rules), pass and are scanned only once."""
+    path = str(tmp_path / "p0")
+    store = open_partition_store("rocksdb", path, IndexSpec())
+    for data in records:
+        put(store, ORDERS.key_spec.sow_key(data), data)
+    check_key_format(store, ORDERS, 0, "ksow")
+    store.commit()
+    store.close()
+    store = open_partition_store("rocksdb", path, IndexSpec())
+    assert store.key_format() == KEY_FORMAT
+    put(store, "not-a-checksum", {"id": 5})  # a stamped store is trusted: no scan at all
+    check_key_format(store, ORDERS, 0, "ksow")
+    store.close()
+
+
+def test_publisher_keyed_topics_never_change(store):
+    put(store, "any+Base64/key=", {"whatever": 5})
+    check_key_format(store, SowTopic(topic="t", partitions=4), 0, "ksow")
+    assert store.dirty  # the stamp waits for the store's next commit
