@@ -44,7 +44,7 @@ REGIONS = ("eu", "us", "apac")
 
 
 def bench_spec(events: int, keys: int, partitions: int) -> SowTopic:
-    return SowTopic(topic=f"bench_snap_{events}_{keys}_p{partitions}", key=["/order_id"], expiration="enabled", partitions=partitions)
+    return SowTopic(timestamps="publisher", topic=f"bench_snap_{events}_{keys}_p{partitions}", key=["/order_id"], expiration="enabled", partitions=partitions)
 
 
 def history(spec: SowTopic, events: int, keys: int, seed: int = 7):

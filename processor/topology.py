@@ -9,7 +9,7 @@ import os
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,6 +80,10 @@ class SowTopic(BaseModel):
     dead_event_topic: str | None = None
     hash_indexes: list[list[str]] = Field(default_factory=list)
     partitions: int = Field(default=8, ge=1, le=1024)
+    # Which clock a lifetime counts from and inputs are ordered by, for the input topics the workers
+    # create: `arrival` (the broker's, LogAppendTime) or `publisher` (CreateTime). Existing topics
+    # keep the timestamp type they were created with.
+    timestamps: Literal["arrival", "publisher"] = "arrival"
 
     @field_validator("key")
     @classmethod

@@ -78,10 +78,10 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     """Every topic a SOW topic uses: name -> (partitions, configs). All share the partition count."""
     n = spec.partitions
     compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
-    # Inputs the worker creates take the broker's clock (LogAppendTime): a lifetime counts from the
-    # input's arrival, whatever the publisher's clock says, and replays see the same instants. The
-    # repartition topic keeps CreateTime: a rerouted input carries its original arrival time.
-    arrival = {"message.timestamp.type": "LogAppendTime"}
+    # Inputs the worker creates take the broker's clock by default (`timestamps: arrival`, LogAppendTime):
+    # a lifetime counts from the input's arrival whatever the publisher's clock says, and replays see
+    # the same instants. The repartition topic keeps CreateTime: a rerouted input carries its timestamp.
+    arrival = {"message.timestamp.type": "LogAppendTime" if spec.timestamps == "arrival" else "CreateTime"}
     topics = {
         spec.topic: (n, arrival),
         spec.delta_topic: (n, arrival),

@@ -137,7 +137,7 @@ def _phases(drawn) -> list[list[tuple]]:
 
 def _barriers_bite(drawn) -> bool:
     """Both barrier deletes remove something, and something is left at the end."""
-    spec = SowTopic(topic="probe", key=["/id"], expiration="enabled", partitions=PARTITIONS)
+    spec = SowTopic(timestamps="publisher", topic="probe", key=["/id"], expiration="enabled", partitions=PARTITIONS)
     fold = SowFold(spec, transitions=True)
     bites, n = 0, 0
     for phase in _phases(drawn):
@@ -225,7 +225,7 @@ def _plan(seed: int, base: str) -> Run:
     phases = history(seed)
     domain = f"conf{seed}"
     specs = {
-        engine: SowTopic(topic=f"{base}_{seed}_{engine}", key=["/id"], key_domain=domain, partitions=PARTITIONS, **SEEDS[seed])
+        engine: SowTopic(timestamps="publisher", topic=f"{base}_{seed}_{engine}", key=["/id"], key_domain=domain, partitions=PARTITIONS, **SEEDS[seed])
         for engine in ("faust", "spark")
     }
     run = Run(seed, phases, specs, SowFold(specs["faust"], transitions=True))
@@ -301,7 +301,7 @@ def conformance(kafka_bootstrap, admin, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("conformance")
     topology = tmp / "faust.yaml"
     topology.write_text(yaml.safe_dump({"sow": [
-        {"topic": r.specs["faust"].topic, "key": ["/id"], "key_domain": r.specs["faust"].key_domain, "partitions": PARTITIONS, **SEEDS[r.seed]}
+        {"topic": r.specs["faust"].topic, "timestamps": "publisher", "key": ["/id"], "key_domain": r.specs["faust"].key_domain, "partitions": PARTITIONS, **SEEDS[r.seed]}
         for r in runs
     ]}))
     worker = Worker(kafka_bootstrap, topology, f"{base}_faust", tmp / "faust-data", name="conformance").start(wait=False)

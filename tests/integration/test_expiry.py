@@ -184,3 +184,25 @@ def test_records_past_their_instant_are_never_delivered(kafka_bootstrap, unique_
     assert ids(client, topic) == [1] and client.last_query_source == "changelog"
     assert [e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1)] == [1]
     assert [e["record"]["id"] for e in live] == []
+
+
+def test_a_lifetime_counts_from_arrival_not_from_a_skewed_publisher_clock(env, kafka_bootstrap):
+    """A publisher whose clock is an hour behind: its record still lives its whole lifetime, counted
+    from when it reached Kafka (input topics the worker creates stamp arrival: LogAppendTime)."""
+    from confluent_kafka import Producer
+
+    topic, client, worker = env
+    worker()
+    skewed = Producer({"bootstrap.servers": kafka_bootstrap})
+    an_hour_ago = int(time.time() * 1000) - 3_600_000
+    key = client.spec(topic).key_spec.sow_key({"id": 1})
+    sent = int(time.time() * 1000)
+    skewed.produce(topic, orjson.dumps({"id": 1, "v": "late clock"}), key.encode(), timestamp=an_hour_ago,
+                   headers=[("sow-expiration", b"30s")])
+    assert skewed.flush(30) == 0
+    entry = wait_until(lambda: (q := client.query(topic)) and q[0])
+    assert entry.record == {"id": 1, "v": "late clock"}
+    # It expires 30 s after it arrived, not 30 s after the publisher's clock said (an hour ago).
+    assert sent + 30_000 - 2_000 <= entry.expires_at <= int(time.time() * 1000) + 30_000
+    sow = read_all(kafka_bootstrap, f"{topic}.sow")
+    assert [headers_of(m)["sow-op"] for m in sow] == ["insert"]

@@ -58,7 +58,7 @@ def as_admin(secured):
 def topic(secured, as_admin, tmp_path):
     """A SOW topic with its topics created on the secured broker; yields (name, topology file)."""
     name = f"sec_{uuid.uuid4().hex[:8]}"
-    path = write_topology(tmp_path, name, partitions=2)
+    path = write_topology(tmp_path, name, partitions=2, timestamps="publisher")  # the snapshot test sets instants
     ensure_topics(make_admin(secured.bootstrap), topic_configs(load_topology(path).sow[0]))
     return name, path
 
@@ -73,7 +73,7 @@ def read_topic(bootstrap: str, topic: str, partitions: int = 2) -> list:
     try:
         ends = {(topic, p): high for p, (_, high) in end_offsets(consumer, topic, range(partitions)).items()}
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        return list(read_until(consumer, ends, timeout=60))
+        return list(read_until(consumer, ends, idle_timeout=60))
     finally:
         consumer.close()
 

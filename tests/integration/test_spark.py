@@ -104,7 +104,7 @@ def _create(admin, spec: SowTopic) -> None:
 @pytest.fixture(scope="module")
 def scripted(kafka_bootstrap, admin, request) -> Scripted:
     name = f"t_spark_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], expiration="enabled", partitions=2)
     _create(admin, spec)
     producer = make_producer(kafka_bootstrap)
     for at, suffix, value, headers in _history(spec):
@@ -176,7 +176,7 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     from processor.batch.sql import run_sql
 
     name = f"t_spark_sql_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=f"{name}.orders", key=["/order_id"], partitions=2, expiration="enabled")
+    spec = SowTopic(timestamps="publisher", topic=f"{name}.orders", key=["/order_id"], partitions=2, expiration="enabled")
     ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
     producer = make_producer(kafka_bootstrap)
 
@@ -221,11 +221,11 @@ def test_lifetime_expression_agrees_with_the_core(spark):
     df = spark.createDataFrame([(c,) for c in LIFETIME_CASES], "raw string")
     columns = []
     for n, policy in enumerate(POLICIES):
-        valid, life = lifetime_expr(SowTopic(topic="t", key=["/id"], **policy), F.col("raw"))
+        valid, life = lifetime_expr(SowTopic(timestamps="publisher", topic="t", key=["/id"], **policy), F.col("raw"))
         columns += [valid.alias(f"v{n}"), life.alias(f"l{n}")]
     rows = {r["raw"]: r for r in df.select("raw", *columns).collect()}
     for n, policy in enumerate(POLICIES):
-        spec = SowTopic(topic="t", key=["/id"], **policy)
+        spec = SowTopic(timestamps="publisher", topic="t", key=["/id"], **policy)
         for raw in LIFETIME_CASES:
             try:
                 expected = (True, spec.expiry.lifetime_ms(None if raw is None else parse_duration_ms(raw)))
@@ -283,7 +283,7 @@ def test_key_groups_agree_with_the_core_key_texts(spark):
 def test_snapshot_keys_five_and_string_five_as_one_record(spark, kafka_bootstrap, admin):
     from processor.batch.snapshot import snapshot
 
-    spec = SowTopic(topic=f"t_spark_keys_{int(time.time() * 1000) % 10**9}", key=["/id", "/leg"], partitions=2)
+    spec = SowTopic(timestamps="publisher", topic=f"t_spark_keys_{int(time.time() * 1000) % 10**9}", key=["/id", "/leg"], partitions=2)
     _create(admin, spec)
     producer = make_producer(kafka_bootstrap)
     for at, value in ((1, {"id": 5, "leg": True, "v": 1}), (2, {"id": "5", "leg": "true", "w": 2}), (3, {"id": 5.0, "leg": "1", "v": 3})):
@@ -304,7 +304,7 @@ def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
     from processor.cli.spark import main
 
     topo = tmp_path / "topo.yaml"
-    topo.write_text(json.dumps({"sow": [{"topic": scripted.spec.topic, "key": ["/id"], "expiration": "enabled", "partitions": 2}]}))
+    topo.write_text(json.dumps({"sow": [{"topic": scripted.spec.topic, "timestamps": "publisher", "key": ["/id"], "expiration": "enabled", "partitions": 2}]}))
     common = ["--bootstrap", scripted.bootstrap, "--topology", str(topo), "--master", "local[2]"]
     result = CliRunner().invoke(main, ["snapshot", scripted.spec.topic, "--as-of", str(T0 + 10500), "--filter", "/id >= 4", *common])
     assert result.exit_code == 0, result.output
@@ -347,7 +347,7 @@ def test_stateful_processor_with_tws_tester():
     from processor.core.keys import owner_partition
     from processor.runners.spark.stream import Router, make_processor
 
-    spec = SowTopic(topic="orders", key=["/id"], expiration="enabled", partitions=4)
+    spec = SowTopic(timestamps="publisher", topic="orders", key=["/id"], expiration="enabled", partitions=4)
     key = spec.key_spec.sow_key({"id": 1})
     group = str(owner_partition(key, 4))
     assert Router(spec)(spec.topic, orjson.dumps({"id": 1}), []) == [(group, None)]
@@ -398,7 +398,7 @@ def test_streaming_runner_maintains_the_sow(spark, kafka_bootstrap, tmp_path):
     from processor.runners.spark.stream import run_stream
 
     name = f"t_spark_stream_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], expiration="enabled", partitions=2)
     topology = Topology(sow=[spec])
     _, queries = run_stream(kafka_bootstrap, topology, tmp_path / "ckpt", block=False, trigger="500 milliseconds")
     try:
@@ -464,7 +464,7 @@ def test_streaming_runner_survives_stop_and_restart(spark, kafka_bootstrap, tmp_
     from processor.runners.spark.stream import run_stream
 
     name = f"t_spark_restart_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=name, key=["/id"], expiration="enabled", partitions=2)
+    spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], expiration="enabled", partitions=2)
     topology = Topology(sow=[spec])
     checkpoint = tmp_path / "ckpt"
     k = {i: spec.key_spec.sow_key({"id": i}) for i in range(1, 8)}
@@ -542,9 +542,9 @@ def test_ksow_up_engine_spark_end_to_end(kafka_bootstrap, tmp_path):
     import sys
 
     name = f"t_spark_cli_{int(time.time() * 1000) % 10**9}"
-    spec = SowTopic(topic=name, key=["/id"], partitions=2)
+    spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], partitions=2)
     topo = tmp_path / "topo.yaml"
-    topo.write_text(json.dumps({"sow": [{"topic": name, "key": ["/id"], "partitions": 2}]}))
+    topo.write_text(json.dumps({"sow": [{"topic": name, "timestamps": "publisher", "key": ["/id"], "partitions": 2}]}))
     log_path = tmp_path / "up.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "KSOW_SPARK_DRIVER_MEMORY": "1g"}
     common = ["--bootstrap", kafka_bootstrap, "--topology", str(topo)]
@@ -594,7 +594,7 @@ def test_stateful_processor_on_an_avro_topic():
     from processor.runners.spark.stream import Router, make_processor
 
     repo = Path(__file__).resolve().parents[2]
-    spec = SowTopic(topic="ao", key=["/order_id"], message_type="avro", schema="schemas/orders.avsc", partitions=2)
+    spec = SowTopic(timestamps="publisher", topic="ao", key=["/order_id"], message_type="avro", schema="schemas/orders.avsc", partitions=2)
     parsed = fastavro.parse_schema(orjson.loads((repo / "schemas" / "orders.avsc").read_bytes()))
 
     def avro(record: dict) -> bytes:
