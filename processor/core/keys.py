@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import orjson
@@ -57,10 +57,15 @@ class KeySpec:
         """True when publishers supply the SowKey in the `sow-key` header."""
         return not self.paths
 
+    @cached_property
+    def _fields(self) -> tuple[tuple[str, str | None, tuple[str, ...]], ...]:
+        """(path, top-level field name or None, parts): a one-part path is a plain dict lookup."""
+        return tuple((path, parts[0] if len(parts) == 1 else None, parts) for path, parts in zip(self.paths, self.split))
+
     def key_values(self, record: dict) -> list[Any]:
         values = []
-        for path, parts in zip(self.paths, self.split):
-            value = get_path(record, parts)
+        for path, field, parts in self._fields:
+            value = record.get(field, MISSING) if field is not None else get_path(record, parts)
             if value is MISSING or value is None:
                 raise KeyError_(f"missing key field {path}")
             if isinstance(value, (dict, list)):
@@ -76,7 +81,11 @@ class KeySpec:
             return validate_user_key(header_key)
         if record is None:
             raise KeyError_("no record to compute the SowKey from")
-        return checksum_key(self.domain, self.key_values(record))
+        values = self.key_values(record)
+        if len(values) == 1:
+            value = values[0]
+            return _single_key(self.domain, type(value), value)
+        return _checksum(self.domain, tuple([key_text(v) for v in values]))
 
 
 KEY_FORMAT = 2  # the SowKey rule of this module (see the module docstring)
@@ -109,7 +118,20 @@ def checksum_key(domain: str, values: list[Any]) -> SowKey:
     """64-bit checksum over the domain and the values' texts. The texts go in as a JSON array: it
     delimits each text, and it never holds a raw 0x1f, the byte that ends the domain. A key of
     string values is the same as under key format 1."""
-    payload = domain.encode() + b"\x1f" + orjson.dumps([key_text(v) for v in values])
+    return _checksum(domain, tuple([key_text(v) for v in values]))
+
+
+@lru_cache(maxsize=1 << 16)
+def _single_key(domain: str, kind: type, value: Any) -> SowKey:
+    """The SowKey of a one-field key, remembered by value *and type*: 1, 1.0 and True are equal
+    dictionary keys but need not have the same text."""
+    return _checksum(domain, (key_text(value),))
+
+
+@lru_cache(maxsize=1 << 16)
+def _checksum(domain: str, texts: tuple[str, ...]) -> SowKey:
+    """Keys repeat (updates of the same records): recent ones are remembered, by their texts."""
+    payload = domain.encode() + b"\x1f" + orjson.dumps(texts)
     return str(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
 
 
