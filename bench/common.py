@@ -60,12 +60,15 @@ def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
     names = list(names)
     if not names:
         return
-    try:
-        for future in admin(bootstrap).delete_topics(names, operation_timeout=30).values():
-            with contextlib.suppress(Exception):
-                future.result()
-    except Exception as exc:  # noqa: BLE001 - cleanup must not hide the figures
-        log(f"could not delete topics: {exc}")
+    client = admin(bootstrap)  # held until the futures resolve: a dropped client cancels its requests
+    failed = []
+    for name, future in client.delete_topics(names, operation_timeout=30).items():
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - cleanup must not hide the figures
+            failed.append(f"{name} ({exc})")
+    if failed:
+        log(f"could not delete topics: {', '.join(failed)}")
 
 
 # publishing -----------------------------------------------------------------------------------
