@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -296,7 +296,7 @@ def child_bytewax(spec: dict) -> None:
             return batch
 
         def next_awake(self) -> datetime | None:
-            return datetime.now(timezone.utc) + timedelta(milliseconds=5) if self._idle else None
+            return datetime.now(UTC) + timedelta(milliseconds=5) if self._idle else None
 
         def snapshot(self) -> None:
             return None  # no recovery configured: nothing to resume from
