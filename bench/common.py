@@ -13,17 +13,19 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from processor.kafka.clients import ensure_topics, make_producer, produce
+from processor.engine.ordering import drain_in_order  # noqa: E402
+from processor.kafka.clients import ensure_topics, make_producer, produce  # noqa: E402
 
 
 # broker ------------------------------------------------------------------------------------
@@ -60,12 +62,15 @@ def delete_topics(bootstrap: str, names: Iterable[str]) -> None:
     names = list(names)
     if not names:
         return
-    try:
-        for future in admin(bootstrap).delete_topics(names, operation_timeout=30).values():
-            with contextlib.suppress(Exception):
-                future.result()
-    except Exception as exc:  # noqa: BLE001 - cleanup must not hide the figures
-        log(f"could not delete topics: {exc}")
+    client = admin(bootstrap)  # held until the futures resolve: a dropped client cancels its requests
+    failed = []
+    for name, future in client.delete_topics(names, operation_timeout=30).items():
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - cleanup must not hide the figures
+            failed.append(f"{name} ({exc})")
+    if failed:
+        log(f"could not delete topics: {', '.join(failed)}")
 
 
 # publishing -----------------------------------------------------------------------------------
@@ -171,6 +176,48 @@ def first_last_timestamps(bootstrap: str, topic: str, partitions: int) -> tuple[
         consumer.close()
 
 
+# ordered inputs ----------------------------------------------------------------------------------
+class OrderedInputs:
+    """The inputs of each SOW partition merged in the order a ksow worker applies them.
+
+    That order (processor.engine.ordering) is by Kafka timestamp, ties to the earlier topic of
+    `topics` (`<topic>` before `<topic>.delta`), each input in offset order; an input not read to its
+    end yet may hold an older message, so the merge waits for it. A peer of the worker that does not
+    merge this way leaves a different SOW on this workload, whose inputs share broker timestamps
+    (LogAppendTime) across the two topics. Its consumer must have `enable.partition.eof` on: the
+    end-of-partition events say an input has nothing more to wait for.
+    """
+
+    def __init__(self, topics: Sequence[str], partitions: Iterable[int]) -> None:
+        self._rank = {topic: rank for rank, topic in enumerate(topics)}
+        self._queues = {p: tuple(deque() for _ in topics) for p in partitions}
+        self._at_end = {p: [False] * len(topics) for p in self._queues}
+
+    def add(self, messages: Iterable[Message]) -> None:
+        """File consumed messages (end-of-partition events included) under their partition."""
+        for msg in messages:
+            rank = self._rank[msg.topic()]
+            p = msg.partition()
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise KafkaException(err)
+                self._at_end[p][rank] = True
+                continue
+            self._at_end[p][rank] = False
+            self._queues[p][rank].append((msg.timestamp()[1], rank, msg.offset(), msg))
+
+    def drain(self, limit: int) -> list[Message]:
+        """Up to `limit` messages that can be applied now, in order within each partition."""
+        out: list[Message] = []
+        for p, queues in self._queues.items():
+            if len(out) >= limit:
+                break
+            behind = [not end for end in self._at_end[p]]
+            out += drain_in_order(queues, behind, limit - len(out))
+        return out
+
+
 # processes ---------------------------------------------------------------------------------
 def proc_status_kb(pid: int, field: str) -> int | None:
     """A field of /proc/<pid>/status in kB (VmHWM: peak RSS, VmRSS: current RSS); None if gone."""
@@ -192,6 +239,46 @@ def cpu_seconds(pid: int | None = None) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (from the parent ids in /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU time of a process tree: each live process's user + system time, with that of its
+    children already reaped (cutime, cstime); None if `pid` is gone."""
+    total = None
+    for member in process_tree(pid):
+        try:
+            with open(f"/proc/{member}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total = (total or 0.0) + sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def tree_peak_rss_mb(pid: int) -> float | None:
+    """Sum of the peak RSS (VmHWM) of a process tree's live members; None if `pid` is gone."""
+    peaks = [kb for kb in (proc_status_kb(member, "VmHWM") for member in process_tree(pid)) if kb is not None]
+    return sum(peaks) / 1024 if peaks else None
 
 
 def peak_rss_mb(pid: int | None = None) -> float | None:

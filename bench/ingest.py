@@ -13,7 +13,9 @@ persistence persistent), keyed by SowKey so that no input needs repartitioning. 
   limit   one process: confluent-kafka consume -> orjson -> rocksdict (one WriteBatch per batch)
           with processor.core.merge.merge/diff -> produce the merged record to `<topic>.limit.sow`
           and the diff to `<topic>.limit.diff`, on the same input topics. No per-batch flush: it
-          is the bound a Python process reaches with these libraries, not a durable design.
+          is the bound a Python process reaches with these libraries, not a durable design. It
+          applies inputs in the order they are fetched, so its SOW differs from the worker's
+          (deltas run ahead of older full records); bench/peers.py runs it in the worker's order.
 
 The ratio compares steady states (worker / limit); the target of the issue is >= 0.33. With
 --runs R the figures are printed per run and as medians, and R is the median of the per-run ratios
@@ -45,14 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    REPO, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps, kafka_bootstrap, log,
-    median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
+    REPO, OrderedInputs, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps,
+    kafka_bootstrap, log, median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
 )
 from processor.core.keys import checksum_key  # noqa: E402
 from processor.kafka.clients import topic_configs
 from processor.topology import parse_topology  # noqa: E402
 
 PARTITIONS = 4
+KEY_PATHS = (("id",),)  # the SOW key of the workload's topic, as processor.core.merge.diff wants it
 DESKS = ["rates", "credit", "fx", "equities", "commodities", "munis"]
 NESTED_B = ["alpha", "beta", "gamma", "delta"]
 
@@ -99,6 +102,20 @@ def workload(topic: str, n: int, k: int, delta_share: float, seed: int = 7):
                 "nested": {"a": rng.randint(0, 100), "b": rng.choice(NESTED_B)},
             }
             yield topic, sow_keys[i], orjson.dumps(record)
+
+
+def workload_topics(topic: str, partitions: int = PARTITIONS) -> dict[str, tuple[int, dict[str, str]]]:
+    """Every topic a worker uses for the workload's SOW topic (name -> (partitions, configs))."""
+    spec = parse_topology({"sow": [{"topic": topic, "key": ["/id"], "persistence": "persistent", "partitions": partitions}]}).sow[0]
+    return topic_configs(spec)
+
+
+def output_topics(prefix: str, partitions: int = PARTITIONS) -> dict[str, tuple[int, dict[str, str]]]:
+    """The two outputs of a peer of the worker: merged records (compacted) and diffs."""
+    return {
+        f"{prefix}.sow": (partitions, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}),
+        f"{prefix}.diff": (partitions, {}),
+    }
 
 
 # the worker ------------------------------------------------------------------------------------
@@ -176,8 +193,14 @@ def _per_record_us(end: float | None, start: float | None, records: int) -> floa
 
 
 # the limit: a plain loop ------------------------------------------------------------------------
-def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: str) -> dict:
-    """Consume the inputs, merge into rocksdict, produce merged + diff; stop after n inputs."""
+def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: str, ordered: bool = False) -> dict:
+    """Consume the inputs, merge into rocksdict, produce merged + diff; stop after n inputs.
+
+    With `ordered`, the inputs of each partition are applied in the worker's order (timestamp, then
+    `<topic>` before `<topic>.delta`: bench.common.OrderedInputs), so the result is the SOW the worker
+    must reach; without, in the order they are fetched (the delta topic's small messages run ahead),
+    which is cheaper but leaves a different SOW.
+    """
     from confluent_kafka import OFFSET_BEGINNING, TopicPartition
     from rocksdict import Options, Rdict, WriteBatch
 
@@ -185,20 +208,23 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
     from processor.kafka.clients import make_consumer, make_producer
 
     began = time.time()
-    consumer = make_consumer(bootstrap, **{"enable.partition.eof": False})
+    consumer = make_consumer(bootstrap, **{"enable.partition.eof": ordered})
     delta_topic, out_sow, out_diff = f"{topic}.delta", f"{topic}.limit.sow", f"{topic}.limit.diff"
     consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t in (topic, delta_topic) for p in range(partitions)])
+    inputs = OrderedInputs((topic, delta_topic), range(partitions)) if ordered else None
     producer = make_producer(bootstrap)
     options = Options(raw_mode=True)
     options.create_if_missing(True)
     db = Rdict(data_dir, options)
-    key_paths = (("id",),)
     loads, dumps = orjson.loads, orjson.dumps
     produce = producer.produce
     done = 0
     first = cpu_first = None
     while done < n:
-        messages = consumer.consume(2000, 0.5)
+        messages = consumer.consume(2000, 0.05)  # returns early only with 2000: a long wait stalls the tail
+        if inputs is not None:
+            inputs.add(messages)
+            messages = inputs.drain(n - done)
         if not messages:
             continue
         if first is None:
@@ -215,7 +241,7 @@ def limit_loop(bootstrap: str, topic: str, partitions: int, n: int, data_dir: st
                 raw = db.get(key)
                 old = loads(raw) if raw is not None else None
             new = merge(old, record) if msg.topic() == delta_topic else record
-            changes = diff(old, new, key_paths)
+            changes = diff(old, new, KEY_PATHS)
             staged[key] = new
             value = dumps(new)
             batch.put(key, value)
@@ -262,10 +288,7 @@ def one_run(bootstrap: str, args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-ingest-"))
     topology = tmp / "topology.yaml"
     topology.write_text(topology_yaml(topic, PARTITIONS))
-    spec = parse_topology({"sow": [{"topic": topic, "key": ["/id"], "persistence": "persistent", "partitions": PARTITIONS}]}).sow[0]
-    wanted = topic_configs(spec)
-    wanted[f"{topic}.limit.sow"] = (PARTITIONS, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})
-    wanted[f"{topic}.limit.diff"] = (PARTITIONS, {})
+    wanted = workload_topics(topic) | output_topics(f"{topic}.limit")
     try:
         create_topics(bootstrap, wanted)
         count, seconds = publish(bootstrap, workload(topic, args.n, args.k, args.deltas))
