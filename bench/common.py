@@ -192,6 +192,8 @@ class OrderedInputs:
         self._rank = {topic: rank for rank, topic in enumerate(topics)}
         self._queues = {p: tuple(deque() for _ in topics) for p in partitions}
         self._at_end = {p: [False] * len(topics) for p in self._queues}
+        self._ready: deque = deque()  # merged already, not handed out yet
+        self._tops = {(p, rank): 0 for p in self._queues for rank in range(len(topics))}  # sort time per input
 
     def add(self, messages: Iterable[Message]) -> None:
         """File consumed messages (end-of-partition events included) under their partition."""
@@ -205,17 +207,16 @@ class OrderedInputs:
                 self._at_end[p][rank] = True
                 continue
             self._at_end[p][rank] = False
-            self._queues[p][rank].append((msg.timestamp()[1], rank, msg.offset(), msg))
+            top = self._tops[(p, rank)] = max(self._tops[(p, rank)], msg.timestamp()[1])  # the largest so far: the worker's rule
+            self._queues[p][rank].append((top, rank, p, msg.offset(), msg))
 
     def drain(self, limit: int) -> list[Message]:
         """Up to `limit` messages that can be applied now, in order within each partition."""
-        out: list[Message] = []
-        for p, queues in self._queues.items():
-            if len(out) >= limit:
-                break
-            behind = [not end for end in self._at_end[p]]
-            out += drain_in_order(queues, behind, limit - len(out))
-        return out
+        if len(self._ready) < limit:
+            for p, queues in self._queues.items():
+                self._ready.extend(drain_in_order(queues, [not end for end in self._at_end[p]]))
+        ready = self._ready
+        return [ready.popleft() for _ in range(min(limit, len(ready)))]
 
 
 # processes ---------------------------------------------------------------------------------

@@ -57,9 +57,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from processor.core.codec import codec_for  # noqa: E402
 from processor.core.keys import owner_partition  # noqa: E402
-from processor.core.sow import render  # noqa: E402
+from processor.engine.outputs import Streams, render  # noqa: E402
 from processor.kafka.clients import ensure_topics, make_consumer, make_producer, topic_configs
-from processor.engine.topic import InputMessage
+from processor.contract.types import InputMessage
 from processor.engine.fold import SowFold
 from processor.topology import SowTopic, Topology  # noqa: E402
 
@@ -384,13 +384,17 @@ def _fold_streams(run: Run) -> dict[str, dict[str, list[tuple]]]:
     spec = run.specs["faust"]
     codec = codec_for(spec.message_type.value, spec.schema_)
     replay = SowFold(spec, transitions=True)
+    names = Streams.of(spec)
+    stream_of = {names.sow: "sow", names.diff: "diff", names.expired or names.dead: "expired", names.dead: "expired"}
     streams: dict[str, dict[str, list[tuple]]] = {"sow": defaultdict(list), "diff": defaultdict(list), "expired": defaultdict(list)}
 
     def add(transitions) -> None:
         for t in transitions:
-            for e in render(t, codec, spec.expired_topic is not None):
+            rendered: list = []
+            render(t, 0, codec, names, rendered)
+            for e in rendered:
                 h = dict(e.headers)
-                stream = "expired" if e.stream == "dead" else e.stream  # EXP.<topic>, or .dead with expiry_topic: none
+                stream = stream_of[e.topic]  # EXP.<topic>, or .dead with expiry_topic: none
                 streams[stream][e.key.decode()].append((h["sow-op"].decode(), _value(e.value), int(h["sow-expires-at"]) if "sow-expires-at" in h else None))
 
     n = 0
