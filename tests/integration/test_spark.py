@@ -339,6 +339,37 @@ def _row(spec: SowTopic, at: int, value: dict | bytes | None, delta: bool = Fals
     return Row(ts=at, rank=int(delta), partition=0, offset=offset, topic=topic, kafka_key=b"k", value=raw, headers=[Row(key=k, value=v) for k, v in headers or []], reason=None)
 
 
+def test_streaming_processor_keeps_capacity_and_views():
+    """The same partition engine as the Faust worker, so the streaming engine evicts by capacity and
+    maintains views (no JVM: TwsTester)."""
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from processor.runners.spark.stream import make_processor
+    from processor.topology import View
+
+    spec = SowTopic(timestamps="publisher", topic="cv", key=["/id"], partitions=1, capacity=2)
+    view = View(name="cv_big", topic="cv", filter="/qty > 10")
+    tester = TwsTester(make_processor(spec, [view])(), timeMode="ProcessingTime", outputMode="Update")
+    tester.setProcessingTime(1_000)
+    out = tester.test("0", [_row(spec, 900 + i, {"id": i, "qty": 5 * i}, offset=i) for i in range(4)])
+    assert [orjson.loads(r["value"])["id"] for r in out if r["topic"] == "cv.dead"] == [0, 1]  # least recently updated first
+    assert [orjson.loads(r["value"]) for r in out if r["topic"] == "cv_big.sow"] == [{"id": 3, "qty": 15}]
+    assert all(r["partition"] == 0 for r in out if r["topic"] != "cv.errors")
+
+
+def test_the_streaming_engine_refuses_by_name_what_it_cannot_do():
+    from processor.contract.errors import UnsupportedByEngine
+    from processor.runners.spark.stream import check_topology
+    from processor.topology import Topology, View
+
+    spec = SowTopic(topic="cv", key=["/id"], partitions=1)
+    with pytest.raises(UnsupportedByEngine, match=r"views\[slow\]\.conflation"):
+        check_topology(Topology(sow=[spec], views=[View(name="slow", topic="cv", conflation="250ms")]))
+    with pytest.raises(UnsupportedByEngine, match=r"sow\[cv\]\.persistence"):
+        check_topology(Topology(sow=[SowTopic(topic="cv", key=["/id"], partitions=1, persistence="simple")]))
+    check_topology(Topology(sow=[SowTopic(topic="cv", key=["/id"], partitions=1, capacity=2)], views=[View(name="v", topic="cv")]))
+
+
 def test_stateful_processor_with_tws_tester():
     """The streaming runner's StatefulProcessor (no JVM): merge, diff, lifetimes, timer expiry, and
     deletes by filter that see the records of their own micro-batch."""
@@ -606,7 +637,7 @@ def test_stateful_processor_on_an_avro_topic():
     delta = {"order_id": 7, "customer": None, "status": "filled", "qty": None, "px": None}
     group = str(owner_partition(spec.key_spec.sow_key(full), 2))
     assert Router(spec, repo)(spec.topic, avro(full), []) == [(group, None)]
-    tester = TwsTester(make_processor(spec, repo)(), timeMode="ProcessingTime", outputMode="Update")
+    tester = TwsTester(make_processor(spec, base=repo)(), timeMode="ProcessingTime", outputMode="Update")
     tester.setProcessingTime(1_000)
     out = tester.test(group, [_row(spec, 900, avro(full), offset=0), _row(spec, 950, avro(delta), delta=True, offset=1)])
     sow = [r["value"] for r in out if r["topic"] == "ao.sow"]

@@ -429,21 +429,14 @@ class SowLoop:
         try:
             if self.eos:
                 producer.begin_transaction()
-            produce = producer.produce
-            half = len(out) // 2
-            for n, o in enumerate(out):
-                if _KILLS and n == half:
-                    producer.poll(0)
-                    _kill("produce")
-                callback = positions if o.changelog else failures
-                try:
-                    produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
-                except BufferError:
-                    self._produce_when_room(o, callback)
-                except KafkaException as exc:
-                    if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
-                        raise
-                    self._produce_when_room(_too_large(o, self.settings.max_message_bytes), None)
+            if _KILLS:  # tests: a crash in the middle of producing
+                half = len(out) // 2
+                self._produce_all(out[:half], positions, failures)
+                producer.poll(0)
+                _kill("produce")
+                self._produce_all(out[half:], positions, failures)
+            else:
+                self._produce_all(out, positions, failures)
             if self.eos:
                 if offsets:
                     producer.send_offsets_to_transaction(
@@ -479,6 +472,21 @@ class SowLoop:
             metrics.INPUTS.labels(topic).inc(n)
         for topic, n in Counter(o.topic for o in out).items():
             metrics.OUTPUTS.labels(topic).inc(n)
+
+    def _produce_all(self, out: list[Output], positions: _Positions, failures: _Failures | None) -> None:
+        """Produce outputs; changelog records report their offsets, the others only failures (and
+        those only without transactions: a transaction's commit fails if any message did)."""
+        produce = self.producer.produce
+        for o in out:
+            callback = positions if o.changelog else failures
+            try:
+                produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+            except BufferError:
+                self._produce_when_room(o, callback)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise
+                self._produce_when_room(_too_large(o, self.settings.max_message_bytes), None)
 
     def _produce_when_room(self, o: Output, callback) -> None:
         while True:
