@@ -15,9 +15,13 @@ class MemoryBackend:
         return self._data.get(key)
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
-        # Materialise the keys first: callers may stage writes while iterating.
-        for key in list(self._data.irange(start, stop, inclusive=(True, False))):
-            yield key, self._data[key]
+        # Materialise the keys first: callers may stage writes while iterating, and a reader in
+        # another thread (an HTTP query) may see a commit remove a key meanwhile.
+        data = self._data
+        for key in list(data.irange(start, stop, inclusive=(True, False))):
+            value = data.get(key)
+            if value is not None:
+                yield key, value
 
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
         for key, value in writes.items():

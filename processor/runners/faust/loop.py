@@ -195,7 +195,6 @@ class SowLoop:
         self._task_of_input: dict[tuple[str, int], tuple[Task, int]] = {}
         self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, kept open for a while
         self._paused: set[tuple[str, int]] = set()
-        self.lock = threading.RLock()  # held while stores change: readers (HTTP queries) take it to list them
         self._stop = threading.Event()
         self._next_sweep = 0.0
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
@@ -256,14 +255,13 @@ class SowLoop:
         except Exception:  # noqa: BLE001 - closing is best effort
             log.debug("consumer close", exc_info=True)
         self.producer.flush(10)
-        with self.lock:
-            for task in self.tasks.values():
-                if task.store is not None:
-                    task.store.close()
-            for store in self._parked.values():
-                store.close()
-            self.tasks.clear()
-            self._parked.clear()
+        for task in self.tasks.values():
+            if task.store is not None:
+                task.store.close()
+        for store in self._parked.values():
+            store.close()
+        self.tasks.clear()
+        self._parked.clear()
 
     # rebalances (called by librdkafka inside consume(), on this thread) ----------------------
     def _on_assign(self, consumer, partitions) -> None:
@@ -271,20 +269,19 @@ class SowLoop:
         last transaction may still be open (a stalled worker), and then the offsets it is committing
         are not known yet. Waiting for it to end (committed, or aborted by the coordinator after its
         transaction timeout) keeps a late commit from being applied twice."""
-        with self.lock:
-            new_tasks = []
-            for tp in partitions:
-                owner = self._by_input.get(tp.topic)
-                if owner is None:
-                    continue
-                engine, rank = owner
-                name = (engine.spec.topic, tp.partition)
-                task = self.tasks.get(name)
-                if task is None:
-                    spec = engine.spec
-                    task = self.tasks[name] = Task(engine, tp.partition, ((spec.topic, tp.partition), (spec.delta_topic, tp.partition), (spec.repartition_topic, tp.partition)))
-                    new_tasks.append(task)
-                self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
+        new_tasks = []
+        for tp in partitions:
+            owner = self._by_input.get(tp.topic)
+            if owner is None:
+                continue
+            engine, rank = owner
+            name = (engine.spec.topic, tp.partition)
+            task = self.tasks.get(name)
+            if task is None:
+                spec = engine.spec
+                task = self.tasks[name] = Task(engine, tp.partition, ((spec.topic, tp.partition), (spec.delta_topic, tp.partition), (spec.repartition_topic, tp.partition)))
+                new_tasks.append(task)
+            self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
         self._await_previous_owner(new_tasks)
         committed = consumer.committed(partitions, 60) if partitions else []
         consumer.assign(committed)
@@ -314,17 +311,16 @@ class SowLoop:
     def _on_revoke(self, consumer, partitions) -> None:
         """Nothing is in flight here (a transaction never spans consume()): forget the partitions.
         Their stores stay open, parked, in case they come back (then they need no full restore)."""
-        with self.lock:
-            for tp in partitions:
-                found = self._task_of_input.pop((tp.topic, tp.partition), None)
-                self._paused.discard((tp.topic, tp.partition))
-                if found is None:
-                    continue
-                task = found[0]
-                if self.tasks.pop(task.name, None) is not None:
-                    task.engine.detach(task.p)
-                    if task.store is not None:
-                        self._parked[task.name] = task.store
+        for tp in partitions:
+            found = self._task_of_input.pop((tp.topic, tp.partition), None)
+            self._paused.discard((tp.topic, tp.partition))
+            if found is None:
+                continue
+            task = found[0]
+            if self.tasks.pop(task.name, None) is not None:
+                task.engine.detach(task.p)
+                if task.store is not None:
+                    self._parked[task.name] = task.store
         log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
 
     # the cycle ------------------------------------------------------------------------------
@@ -455,16 +451,15 @@ class SowLoop:
             return
         if _KILLS:
             _kill("store")
-        with self.lock:
-            for task in self.tasks.values():
-                store = task.store
-                if store is None:
-                    continue
-                position = positions.next.get((task.engine.spec.sow_topic, task.p))
-                if position is not None and position > store.meta("changelog"):
-                    store.set_meta("changelog", position)
-                if store.dirty:
-                    store.commit()
+        for task in self.tasks.values():
+            store = task.store
+            if store is None:
+                continue
+            position = positions.next.get((task.engine.spec.sow_topic, task.p))
+            if position is not None and position > store.meta("changelog"):
+                store.set_meta("changelog", position)
+            if store.dirty:
+                store.commit()
         if not self.eos and offsets:
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
@@ -511,16 +506,15 @@ class SowLoop:
             except KafkaException:
                 log.warning("transactional producer is fenced or failed: starting a new one")
                 self.producer = self._new_producer()
-        with self.lock:
-            for task in list(self.tasks.values()):
-                if task.store is not None:
-                    task.store.rollback()
-                for q in task.queues:
-                    q.clear()
-                task.at_end = [False, False, False]
-                task.tops = [0, 0, 0]
-                task.restored = False  # views' holds and the store are read back before going on
-            assigned = self.consumer.assignment()
+        for task in list(self.tasks.values()):
+            if task.store is not None:
+                task.store.rollback()
+            for q in task.queues:
+                q.clear()
+            task.at_end = [False, False, False]
+            task.tops = [0, 0, 0]
+            task.restored = False  # views' holds and the store are read back before going on
+        assigned = self.consumer.assignment()
         if assigned:
             committed = self.consumer.committed(assigned, 30)
             for tp in committed:
@@ -537,8 +531,7 @@ class SowLoop:
         out: list[Output] = []
         now = time.time_ns() // 1_000_000
         for task in pending:
-            with self.lock:
-                self._restore(task, now, out)
+            self._restore(task, now, out)  # not visible to readers until `restored`
         if out:
             self._commit(out, {}, Counter())
 
@@ -638,10 +631,11 @@ class SowLoop:
             self.consumer.resume(resume)
 
     # read-only views for the HTTP side ----------------------------------------------------------
+    # (A copy of the task list is taken in one step under the GIL: no lock, so a query never waits
+    # for a restore or a commit, and never makes the loop wait.)
     def served(self, topic: str) -> list[int]:
-        with self.lock:
-            return sorted(t.p for t in self.tasks.values() if t.restored and t.engine.spec.topic == topic)
+        return sorted(t.p for t in list(self.tasks.values()) if t.restored and t.engine.spec.topic == topic)
 
     def stores(self, topic: str) -> list[PartitionStore]:
-        with self.lock:
-            return [t.store for t in sorted(self.tasks.values(), key=lambda t: t.p) if t.restored and t.engine.spec.topic == topic and t.store is not None]
+        tasks = sorted(list(self.tasks.values()), key=lambda t: t.p)
+        return [t.store for t in tasks if t.restored and t.engine.spec.topic == topic and t.store is not None]
