@@ -111,7 +111,7 @@ def last_values(bootstrap: str, topic: str) -> dict[bytes, dict]:
         ends = {(topic, p): high for p, (_, high) in end_offsets(consumer, topic, range(PARTITIONS)).items()}
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for _, p in ends])
         out: dict[bytes, dict] = {}
-        for msg in read_until(consumer, ends, timeout=300):
+        for msg in read_until(consumer, ends, idle_timeout=300):
             value = msg.value()
             if value is None:
                 out.pop(msg.key(), None)

@@ -233,6 +233,15 @@ def kafka_jars() -> Path:
     return libs
 
 
+def _format_command(libs, props: Path, log4j: Path) -> list[str]:
+    """Kafka's storage format tool for a KRaft data folder (a fresh cluster id each time)."""
+    return [
+        java_executable(), f"-Dlog4j2.configurationFile={log4j}",
+        "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
+        "-t", _kafka_uuid(), "-c", str(props),
+    ]  # fmt: skip
+
+
 def _classpath(libs: Path) -> str:
     return os.pathsep.join(str(p) for p in sorted(libs.glob("*.jar")))
 
@@ -260,12 +269,7 @@ def _bootstrap_checkpoint(libs: Path) -> Path:
             _write_properties(props, config)
             log4j = Path(tmp) / "log4j2.properties"
             log4j.write_text(LOG4J2_PROPERTIES)
-            cmd = [
-                java_executable(), f"-Dlog4j2.configurationFile={log4j}",
-                "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
-                "-t", _kafka_uuid(), "-c", str(props),
-            ]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run(_format_command(libs, props, log4j), capture_output=True, text=True)
             made = data / "bootstrap.checkpoint"
             if done.returncode != 0 or not made.is_file():
                 out = (done.stdout + done.stderr).strip()[-3000:]
@@ -544,11 +548,7 @@ class EmbeddedKafka:
             props, log4j = Path(tmp) / "server.properties", Path(tmp) / "log4j2.properties"
             _write_properties(props, self._server_config(9092, 9093))  # the ports do not matter here
             log4j.write_text(LOG4J2_PROPERTIES)
-            cmd = [
-                java_executable(), f"-Dlog4j2.configurationFile={log4j}",
-                "-cp", _classpath(libs), "kafka.tools.StorageTool", "format",
-                "-t", _kafka_uuid(), "-c", str(props),
-            ]  # fmt: skip
+            cmd = _format_command(libs, props, log4j)
             for user, password in self._passwords.items():
                 cmd += ["--add-scram", f"{SCRAM_MECHANISM}=[name={user},password={password}]"]
             done = subprocess.run(cmd, capture_output=True, text=True)

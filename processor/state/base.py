@@ -20,6 +20,7 @@ import hashlib
 import heapq
 import itertools
 import struct
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
@@ -64,9 +65,14 @@ class IndexSpec:
     hash_indexes: tuple[tuple[str, ...], ...] = ()
     track_age: bool = False  # only topics with a capacity pay for the age index
 
-    @property
+    @cached_property
     def split(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
         return tuple(tuple(split_path(p) for p in index) for index in self.hash_indexes)
+
+    @cached_property
+    def plain(self) -> bool:
+        """No hash index and no age index: a record without an expiry instant has no entries."""
+        return not self.hash_indexes and not self.track_age
 
 
 def _instant(expires_at: int) -> int:
@@ -313,18 +319,22 @@ class PartitionStore:
     def commit(self) -> None:
         writes: dict[bytes, bytes | None] = {}
         count = self.meta("count")
+        plain = self.indexes.plain  # the common case: only records with an instant have an entry
+        committed = self._committed
         for key, after in self._staged.items():
-            before = self._committed[key]
+            before = committed[key]
             kb = key.encode()
             if before is not None:
-                self._unindex(writes, kb, before)
+                if not plain or before.expires_at is not None:
+                    self._unindex(writes, kb, before)
                 count -= 1
             if after is not None:
                 writes[_REC + kb] = encode_record(after)
-                self._index(writes, kb, after)
+                if not plain or after.expires_at is not None:
+                    self._index(writes, kb, after)
+                    if after.expires_at is not None and _instant(after.expires_at) < self._due_from:
+                        self._due_from = _instant(after.expires_at)
                 count += 1
-                if after.expires_at is not None and _instant(after.expires_at) < self._due_from:
-                    self._due_from = _instant(after.expires_at)
             else:
                 writes[_REC + kb] = None
         self._meta["count"] = count

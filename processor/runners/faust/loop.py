@@ -61,7 +61,8 @@ class Guarantee(str, Enum):
 @dataclass
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
-    batch_max: int = 5000  # messages taken from the consumer per cycle
+    batch_max: int = 20000  # messages taken from the consumer per cycle (one transaction: fewer commits to wait for)
+    chunk: int = 2000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     expiry_tick_ms: int = 25  # between expiry sweeps
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
@@ -330,18 +331,14 @@ class SowLoop:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()
-        now = time.time_ns() // 1_000_000
         out: list[Output] = []
         offsets: dict[tuple[str, int], int] = {}
         applied: Counter = Counter()
         for engine in self.engines.values():
-            n = self._apply(engine, now, out, offsets)
+            n = self._apply(engine, out, offsets)
             if n:
                 applied[engine.spec.topic] += n
-        mono = time.monotonic()
-        if mono >= self._next_sweep:
-            self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
-            self._sweep(now, out)
+        self._sweep_if_due(out)
         if out or offsets:
             self._commit(out, offsets, applied)
         self._flow_control()
@@ -373,7 +370,7 @@ class SowLoop:
             task.queues[rank].append((top, rank, task.p, msg.offset(), msg))
             task.at_end[rank] = False
 
-    def _apply(self, engine: SowTopicEngine, now: int, out: list, offsets: dict) -> int:
+    def _apply(self, engine: SowTopicEngine, out: list, offsets: dict) -> int:
         """Apply, in timestamp order, what can be applied of the inputs of one SOW topic."""
         tasks = [t for t in self.tasks.values() if t.engine is engine]
         if not tasks or not all(t.restored for t in tasks):
@@ -396,15 +393,24 @@ class SowLoop:
         if not batch:
             return 0
         inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
-        engine.handle(inputs, now, out)
+        step = self.settings.chunk
+        for start in range(0, len(inputs), step):  # the expiry clock is looked at between chunks
+            engine.handle(inputs[start:start + step], time.time_ns() // 1_000_000, out)
+            self._sweep_if_due(out)
         if _KILLS:
             _kill("apply")
         for m in inputs:
             offsets[(m.topic, m.partition)] = m.offset + 1
         return len(inputs)
 
-    def _sweep(self, now: int, out: list) -> None:
-        """Expire what is due and release conflated view events whose interval ended."""
+    def _sweep_if_due(self, out: list) -> None:
+        """Expire what is due and release conflated view events whose interval ended, every
+        `expiry_tick_ms` (in the batch's transaction: a record expires exactly once)."""
+        mono = time.monotonic()
+        if mono < self._next_sweep:
+            return
+        self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
+        now = time.time_ns() // 1_000_000
         limit = self.settings.expire_batch
         for task in self.tasks.values():
             if not task.restored:

@@ -1,0 +1,108 @@
+"""The worker's own answers to hostile state and input on a real broker: a `.sow` changelog deleted
+while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
+(refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore)."""
+
+from __future__ import annotations
+
+
+import orjson
+import pytest
+
+from processor.client.sow_client import Client
+from processor.kafka.clients import ensure_topics, topic_configs
+from processor.testing import WorkerProcess, read_topic, wait_until
+from processor.topology import load_topology
+
+from .workers import write_topology
+
+pytestmark = pytest.mark.integration
+
+
+def _sow(bootstrap, spec) -> dict:
+    state = {}
+    for m in read_topic(bootstrap, spec.sow_topic, range(spec.partitions)):
+        if m.value() is None:
+            state.pop(m.key(), None)
+        else:
+            state[m.key()] = orjson.loads(m.value())
+    return state
+
+
+def test_a_deleted_changelog_is_reseeded_from_the_store_not_wiped(kafka_bootstrap, unique_name, tmp_path, admin):
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path))
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w1").start()
+    for i in range(20):
+        client.publish(unique_name, {"id": i, "v": i})
+    client.flush()
+    wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 20, 60, "20 records on .sow")
+    worker.stop()
+    # The changelog is deleted and recreated (empty) while no worker runs.
+    admin.delete_topics([spec.sow_topic])[spec.sow_topic].result(30)
+    wait_until(lambda: spec.sow_topic not in admin.list_topics(timeout=10).topics, 30, ".sow gone")
+    ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
+    again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w2").start()
+    try:
+        wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 20, 60, "the changelog re-seeded")
+        assert "re-seeding the changelog" in again.log()
+        assert sorted(e.record["id"] for e in client.query(unique_name)) == list(range(20))
+    finally:
+        again.kill()
+
+
+def test_a_record_that_would_outgrow_a_message_is_refused(kafka_bootstrap, unique_name, tmp_path):
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path))
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env={"KSOW_MAX_RECORD_BYTES": "5000"}).start()
+    try:
+        client.publish(unique_name, {"id": 1, "a": "x" * 3000})
+        client.publish(unique_name, {"id": 1, "b": "y" * 3000}, delta=True)  # merged: over 5,000 bytes
+        client.publish(unique_name, {"id": 2, "ok": True})
+        client.flush()
+        errors = wait_until(lambda: read_topic(kafka_bootstrap, spec.errors_topic, range(spec.partitions)), 60, "the refusal")
+        assert b"over the limit of 5000" in dict(errors[0].headers())["sow-error"]
+        wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 2, 60, "the other record applied")
+        assert _sow(kafka_bootstrap, spec)[spec.key_spec.sow_key({"id": 1}).encode()] == {"id": 1, "a": "x" * 3000}
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+
+
+def test_a_record_on_sow_that_is_no_sow_record_is_skipped_on_restore(kafka_bootstrap, unique_name, tmp_path, admin):
+    from processor.kafka.clients import make_producer
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path))
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d1", "w1").start()
+    client.publish(unique_name, {"id": 1, "v": 1})
+    client.flush()
+    wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 1, 60, "one record")
+    worker.stop()
+    junk = make_producer(kafka_bootstrap)
+    for partition in range(spec.partitions):
+        junk.produce(spec.sow_topic, b"{not json", b"k", partition, headers=[("sow-seq", b"nope")])
+    assert junk.flush(30) == 0
+    # A fresh data folder: the new worker rebuilds every partition from `.sow`, junk included.
+    again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d2", "w2").start()
+    try:
+        wait_until(lambda: again.log().count("restored ") >= spec.partitions, 60, "every partition restored")
+        assert "not a SOW record" in again.log()
+        assert [e.record for e in client.query(unique_name)] == [{"id": 1, "v": 1}]
+        client.publish(unique_name, {"id": 2, "v": 2})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 2, 60, "it goes on")
+    finally:
+        again.kill()
+
+
+def test_a_worker_without_data_dir_finds_its_stores_again(tmp_path):
+    from processor.runners.faust.worker import default_data_dir
+    from processor.topology import parse_topology
+
+    one = parse_topology({"sow": [{"topic": "orders", "key": ["/id"]}]})
+    other = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 4}]})
+    assert default_data_dir("g", one) == default_data_dir("g", parse_topology({"sow": [{"topic": "orders", "key": ["/id"]}]}))
+    assert default_data_dir("g", one) != default_data_dir("g", other) != default_data_dir("h", other)
