@@ -138,10 +138,13 @@ class WorkerProcess:
                 self.proc.wait(30)
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str = "condition", interval: float = 0.2) -> None:
+def wait_until(check: Callable[[], object], timeout: float = 60, what: str = "condition", interval: float = 0.3):
+    """Call `check` until it returns something truthy, and return that; AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout
+    last = None
     while time.monotonic() < deadline:
-        if check():
-            return
+        last = check()
+        if last:
+            return last
         time.sleep(interval)
-    raise AssertionError(f"{what} not reached in {timeout}s")
+    raise AssertionError(f"{what} not reached in {timeout}s (last: {last!r})")

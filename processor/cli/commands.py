@@ -197,8 +197,9 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
         try:
             worker.run(loglevel)
-        except SystemExit:
-            pass
+        except SystemExit as exc:  # Faust exits when stopped; a failure (the loop failed) keeps its status
+            if exc.code not in (None, 0):
+                raise
 
 
 def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoint_dir: str | None, master: str, trigger: str) -> None:

@@ -212,24 +212,26 @@ def restarted(kafka_bootstrap, tmp_path_factory):
         if options not in _runs:
             tmp = tmp_path_factory.mktemp("channel")
             topic = f"t_channel_{dict(options)['persistence']}_{uuid.uuid4().hex[:8]}"
+            # Where the events are: `.sow`, or `.diff` for a transient topic (it keeps no SOW).
+            events = f"{topic}.diff" if dict(options)["persistence"] == "transient" else f"{topic}.sow"
             w, client = start(kafka_bootstrap, tmp, topic, **dict(options))
             try:
                 for i in range(5):
                     client.publish(topic, {"id": i, "v": i})
                 client.flush()
-                wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) >= 5)
+                wait_until(lambda: len(read_all(kafka_bootstrap, events)) >= 5)
                 before = ids(client, topic)
                 w.stop()
             finally:
                 w.kill()
-            seqs_before = [int(headers_of(m)["sow-seq"]) for m in read_all(kafka_bootstrap, f"{topic}.sow")]
+            seqs_before = [int(headers_of(m)["sow-seq"]) for m in read_all(kafka_bootstrap, events)]
             w2, _ = start(kafka_bootstrap, tmp, topic, name="w2", **dict(options))
             try:
                 client.publish(topic, {"id": 5, "v": 5})
                 client.flush()
                 key = client.spec(topic).key_spec.sow_key({"id": 5})
-                wait_until(lambda: any(m.key().decode() == key for m in read_all(kafka_bootstrap, f"{topic}.sow")))
-                after = read_all(kafka_bootstrap, f"{topic}.sow")
+                wait_until(lambda: any(m.key().decode() == key for m in read_all(kafka_bootstrap, events)))
+                after = read_all(kafka_bootstrap, events)
                 seqs_after = [int(headers_of(m)["sow-seq"]) for m in after if int(headers_of(m)["sow-seq"]) not in set(seqs_before)]
                 snapshot = sorted(e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1))
                 _runs[options] = Restarted(before, ids(client, topic), snapshot, seqs_before, seqs_after)

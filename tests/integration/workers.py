@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Callable
 
 import orjson
 import yaml
 from confluent_kafka import Producer
 
-from processor.testing import WorkerProcess, read_topic
+from processor.testing import WorkerProcess, read_topic, wait_until  # noqa: F401 (used by the tests)
 
 
 def write_topology(tmp_path: Path, topic: str, **options) -> Path:
@@ -35,17 +33,6 @@ def send(p: Producer, topic: str, value, key: bytes | None = None, headers=None)
 def read_all(bootstrap: str, topic: str, partitions: int = 4) -> list:
     """Every message of a topic up to its current end (read_committed), per partition in offset order."""
     return read_topic(bootstrap, topic, range(partitions))
-
-
-def wait_until(check: Callable[[], object], timeout: float = 60, interval: float = 0.3):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"condition not met in {timeout}s (last: {last!r})")
 
 
 def headers_of(msg) -> dict[str, str]:
