@@ -116,7 +116,11 @@ def run(bootstrap: str, n: int, window: float, stream: int, with_expiry: bool) -
         result["stream_rate"] = stream / (done - t0)
         if with_expiry:
             wait_for_count(bootstrap, f"EXP.{exp}", PARTITIONS, n, window + 3600, alive=alive)
-            late = sorted(lateness(bootstrap, f"EXP.{exp}"))
+            # Offsets count transaction markers too: read until every expired record is there.
+            deadline = time.time() + 60
+            while len(late := lateness(bootstrap, f"EXP.{exp}")) < n and time.time() < deadline:
+                time.sleep(1)
+            late.sort()
             result.update(n=len(late), p50=late[len(late) // 2], p99=late[int(len(late) * 0.99)], max=late[-1])
         return result
     finally:
