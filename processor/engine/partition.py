@@ -27,6 +27,16 @@ from processor.engine.outputs import Streams, render
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
+RELIEVE_AT = 10_000  # outputs a runner's buffer may hold during one delete or sweep before it drains
+
+
+def relieve(out: list | None) -> None:
+    """Let a runner's output buffer hand what it holds to Kafka now, in the middle of a delete or a
+    sweep over many records (a buffer that can do so has `drain`; a plain list keeps everything)."""
+    if out is not None and len(out) >= RELIEVE_AT:
+        drain = getattr(out, "drain", None)
+        if drain is not None:
+            drain()
 
 
 class PartitionState(Protocol):
@@ -153,8 +163,8 @@ class SowPartition:
         elif cmd.keys:
             n = self.spec.partitions
             keys = [k for k in cmd.keys if owner_partition(k, n) == self.p]
-        else:
-            keys = list(self.state.matching(compile_filter(cmd.filter or "1=1")))
+        else:  # lazily: a filter over millions of records is never listed at once
+            keys = self.state.matching(compile_filter(cmd.filter or "1=1"))
         state = self.state
         expiring = self.policy.active
         removed = 0
@@ -167,6 +177,7 @@ class SowPartition:
             state.remove(key)
             self._emit(removal(op, key, before, now, self.next_seq(now)), out)
             removed += 1
+            relieve(out)
         return removed
 
     def expire_due(self, now: int, out: list, limit: int | None = None) -> int:
@@ -184,6 +195,7 @@ class SowPartition:
             state.remove(key)
             self._emit(removal(Op.EXPIRE, key, record, now, self.next_seq(now)), out)
             expired += 1
+            relieve(out)
         return expired
 
     def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:

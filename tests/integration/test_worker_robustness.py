@@ -106,3 +106,28 @@ def test_a_worker_without_data_dir_finds_its_stores_again(tmp_path):
     other = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 4}]})
     assert default_data_dir("g", one) == default_data_dir("g", parse_topology({"sow": [{"topic": "orders", "key": ["/id"]}]}))
     assert default_data_dir("g", one) != default_data_dir("g", other) != default_data_dir("h", other)
+
+
+def test_a_delete_by_filter_over_many_records_drains_as_it_goes(kafka_bootstrap, unique_name, tmp_path, admin):
+    """30,000 records removed by one `1=1` delete: the batch hands its outputs to the open
+    transaction every 10,000 (engine.partition.relieve), and every tombstone is there exactly once."""
+    from processor.kafka.clients import make_producer
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    ensure_topics(admin, topic_configs(spec))
+    producer = make_producer(kafka_bootstrap)
+    for i in range(30_000):
+        producer.produce(spec.topic, orjson.dumps({"id": i}), spec.key_spec.sow_key({"id": i}).encode())
+    assert producer.flush(60) == 0
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 30_000, 120, "30,000 records")
+        producer.produce(spec.topic, None, b"all", headers=[("sow-command", b"sow_delete"), ("sow-filter", b"1=1")])
+        assert producer.flush(30) == 0
+        wait_until(lambda: not _sow(kafka_bootstrap, spec), 120, "an empty SOW")
+        tombstones = [m.key() for m in read_topic(kafka_bootstrap, spec.sow_topic, range(spec.partitions)) if m.value() is None]
+        assert len(tombstones) == len(set(tombstones)) == 30_000
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()

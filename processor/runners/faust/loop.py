@@ -142,6 +142,21 @@ def _too_large(o: Output, limit: int) -> Output:
     return Output(o.topic, o.partition, o.key, (o.value or b"")[: limit // 2], [*o.headers, (H.ERROR, reason)])
 
 
+class _Batch(list):
+    """The outputs of one cycle. A delete or a sweep that removes many records hands what it holds to
+    the open transaction as it goes (`drain`, see engine.partition.relieve), so a batch never keeps
+    all its outputs in memory at once."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: "SowLoop") -> None:
+        super().__init__()
+        self.loop = loop
+
+    def drain(self) -> None:
+        self.loop._drain(self)
+
+
 class _Positions:
     """The `.sow` offsets of one transaction, from delivery reports of changelog records only."""
 
@@ -198,6 +213,7 @@ class SowLoop:
         self._paused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._next_sweep = 0.0
+        self._start_batch()
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
         self.transactional_id = f"ksow-{group}-{instance}"
         self.consumer = make_consumer(
@@ -331,7 +347,7 @@ class SowLoop:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()
-        out: list[Output] = []
+        out = self._start_batch()
         offsets: dict[tuple[str, int], int] = {}
         applied: Counter = Counter()
         for engine in self.engines.values():
@@ -339,9 +355,31 @@ class SowLoop:
             if n:
                 applied[engine.spec.topic] += n
         self._sweep_if_due(out)
-        if out or offsets:
+        if out or offsets or self._in_txn:
             self._commit(out, offsets, applied)
         self._flow_control()
+
+    def _start_batch(self) -> _Batch:
+        self._positions = _Positions()
+        self._failures = None if self.eos else _Failures()
+        self._produced: Counter = Counter()
+        self._in_txn = False
+        self._produce_error: KafkaException | None = None
+        return _Batch(self)
+
+    def _drain(self, out: _Batch) -> None:
+        """Produce what the batch holds now, into its transaction. Never raises: a failure is kept
+        and fails the commit (an input must not be blamed for it)."""
+        if self._produce_error is None:
+            try:
+                if self.eos and not self._in_txn:
+                    self.producer.begin_transaction()
+                    self._in_txn = True
+                self._produce_all(out, self._positions, self._failures)
+                self._produced.update(o.topic for o in out)
+            except KafkaException as exc:
+                self._produce_error = exc
+        out.clear()
 
     def _file(self, messages) -> None:
         """Put consumed messages in the queue of their input partition (end-of-partition events mark
@@ -425,12 +463,14 @@ class SowLoop:
     # commit ---------------------------------------------------------------------------------
     def _commit(self, out: list[Output], offsets: dict[tuple[str, int], int], applied: Counter) -> None:
         producer = self.producer
-        positions = _Positions()
-        failures = None if self.eos else _Failures()
+        positions, failures = self._positions, self._failures
         started = time.perf_counter()
         try:
-            if self.eos:
+            if self._produce_error is not None:
+                raise self._produce_error
+            if self.eos and not self._in_txn:
                 producer.begin_transaction()
+                self._in_txn = True
             if _KILLS:  # tests: a crash in the middle of producing
                 half = len(out) // 2
                 self._produce_all(out[:half], positions, failures)
@@ -439,6 +479,7 @@ class SowLoop:
                 self._produce_all(out[half:], positions, failures)
             else:
                 self._produce_all(out, positions, failures)
+            self._produced.update(o.topic for o in out)
             if self.eos:
                 if offsets:
                     producer.send_offsets_to_transaction(
@@ -448,6 +489,7 @@ class SowLoop:
                     producer.flush()
                     _kill("commit")
                 producer.commit_transaction(60)
+                self._in_txn = False
             else:
                 producer.flush()
             if positions.failed or (failures and failures.errors):
@@ -471,7 +513,7 @@ class SowLoop:
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         for topic, n in applied.items():
             metrics.INPUTS.labels(topic).inc(n)
-        for topic, n in Counter(o.topic for o in out).items():
+        for topic, n in self._produced.items():
             metrics.OUTPUTS.labels(topic).inc(n)
 
     def _produce_all(self, out: list[Output], positions: _Positions, failures: _Failures | None) -> None:
@@ -504,7 +546,8 @@ class SowLoop:
         err = exc.args[0] if exc.args else None
         log.warning("batch not committed, aborting it: %s", err)
         metrics.ABORTED.inc()
-        if self.eos:
+        if self.eos and self._in_txn:
+            self._in_txn = False
             try:
                 if err is not None and getattr(err, "fatal", lambda: False)():
                     raise KafkaException(err)
@@ -534,11 +577,11 @@ class SowLoop:
         pending = [t for t in self.tasks.values() if not t.restored]
         if not pending:
             return
-        out: list[Output] = []
+        out = self._start_batch()
         now = time.time_ns() // 1_000_000
         for task in pending:
             self._restore(task, now, out)  # not visible to readers until `restored`
-        if out:
+        if out or self._in_txn:
             self._commit(out, {}, Counter())
 
     def _restore(self, task: Task, now: int, out: list) -> None:
