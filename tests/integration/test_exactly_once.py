@@ -243,11 +243,11 @@ def test_a_stalled_worker_cannot_write_after_its_partitions_moved(kafka_bootstra
     path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
     group = f"g-{unique_name}"
     env = {"KSOW_SESSION_TIMEOUT_MS": "6000"}
-    zombie = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "z", "zombie", env={**env, "KSOW_TEST_STOP_AT": f"{step}:2"}).start()
+    zombie = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "z", "zombie", env={**env, "KSOW_TEST_STOP_AT": f"{step}:1"}).start()
     stream = Stream(kafka_bootstrap, spec, seed=3)
-    stream.round(0)
-    stream.round(1)
+    stream.round(0)  # the zombie stops in the middle of the batch of this round
     wait_until(lambda: "test switch" in zombie.log(), 60, "the zombie stopped")
+    stream.round(1)
     heir = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "h", "heir", env=env).start()
     try:
         wait_until(lambda: "restored" in heir.log(), 60, "the heir took the partitions")
