@@ -262,7 +262,14 @@ class SowLoop:
         log.info("loop: %s, transactional.id %s, inputs %s", self.settings.guarantee.value, self.transactional_id if self.eos else "-", ", ".join(inputs))
         try:
             while not self._stop.is_set():
-                self.cycle()
+                try:
+                    self.cycle()
+                except KafkaException as exc:  # a broker hiccup (no leader yet, a timeout): start the batch over
+                    err = exc.args[0] if exc.args else None
+                    if err is not None and hasattr(err, "fatal") and err.fatal():
+                        raise
+                    self._recover(exc)
+                    time.sleep(0.5)
         finally:
             self._close()
 
@@ -315,8 +322,8 @@ class SowLoop:
         try:
             for task in tasks:
                 for topic in (task.engine.spec.sow_topic, task.engine.spec.diff_topic):
-                    tp = TopicPartition(topic, task.p)
-                    while committed.get_watermark_offsets(tp, timeout=10)[1] < uncommitted.get_watermark_offsets(tp, timeout=10)[1]:
+                    # end_offsets retries what a freshly created topic answers at first (no leader yet).
+                    while end_offsets(committed, topic, [task.p])[task.p][1] < end_offsets(uncommitted, topic, [task.p])[task.p][1]:
                         if time.monotonic() > deadline:
                             log.warning("%s[%d] still has an open transaction: going on", topic, task.p)
                             break
