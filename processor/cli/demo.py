@@ -61,7 +61,7 @@ def run_demo(bootstrap: str, topology_path: str | None, duration: float) -> None
         _wait_for_topics(client, topic, worker)
         publisher = threading.Thread(target=_publisher, args=(client, topic, stop), daemon=True)
         publisher.start()
-        console.print(f"publishing sample orders to [bold]{topic}[/] and [bold]{topic}.delta[/]; "
+        console.print(f"publishing sample orders (full and delta publishes, in order) to [bold]{topic}[/]; "
                       f"subscribed with sow_and_delta_subscribe (oof) to the SOW of {topic}\n")
         deadline = time.monotonic() + duration if duration else None
         with contextlib.closing(client.subscribe(topic, sow=True, delta=True, oof=True, timeout=5.0 if deadline else None)) as events:
