@@ -316,3 +316,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or not b:
         return None
     return a / b
+
+
+def add_workload_arguments(parser) -> None:
+    """The options every workload bench shares (bench/ingest.py, bench/peers.py)."""
+    parser.add_argument("-n", type=int, default=200_000, help="inputs (default 200000)")
+    parser.add_argument("-k", type=int, default=20_000, help="distinct keys (default 20000)")
+    parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
+    parser.add_argument("--runs", type=int, default=1, help="repeat with fresh topics; figures are medians")

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    REPO, OrderedInputs, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps,
+    REPO, OrderedInputs, add_workload_arguments, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps,
     kafka_bootstrap, log, median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
 )
 from processor.core.keys import checksum_key  # noqa: E402
@@ -310,10 +310,7 @@ def one_run(bootstrap: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", type=int, default=200_000, help="inputs (default 200000)")
-    parser.add_argument("-k", type=int, default=20_000, help="distinct keys (default 20000)")
-    parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
-    parser.add_argument("--runs", type=int, default=1, help="repeat with fresh topics; figures are medians")
+    add_workload_arguments(parser)
     parser.add_argument("--worker-only", action="store_true")
     parser.add_argument("--limit-only", action="store_true")
     parser.add_argument("--profile", default=None, help="run the worker under cProfile, writing this file")

@@ -53,7 +53,7 @@ import orjson  # noqa: E402
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    REPO, OrderedInputs, admin, create_topics, delete_topics, fmt, kafka_bootstrap, log, median, publish, ratio,
+    REPO, OrderedInputs, add_workload_arguments, admin, create_topics, delete_topics, fmt, kafka_bootstrap, log, median, publish, ratio,
     tree_cpu_seconds, tree_peak_rss_mb, unique_name,
 )
 from bench.ingest import (  # noqa: E402
@@ -415,10 +415,7 @@ def last_line(runs: list[dict[str, dict]], summary: dict[str, dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", type=int, default=200_000, help="inputs (default 200000)")
-    parser.add_argument("-k", type=int, default=20_000, help="distinct keys (default 20000)")
-    parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
-    parser.add_argument("--runs", type=int, default=1, help="repeat with fresh topics; figures are medians")
+    add_workload_arguments(parser)
     parser.add_argument("--only", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
