@@ -209,7 +209,7 @@ class SowLoop:
             self._by_input[spec.repartition_topic] = (engine, _RANK_REPARTITION)
         self.tasks: dict[tuple[str, int], Task] = {}
         self._task_of_input: dict[tuple[str, int], tuple[Task, int]] = {}
-        self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, kept open for a while
+        self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, open in case they come back
         self._paused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._next_sweep = 0.0
