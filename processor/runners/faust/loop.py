@@ -112,6 +112,9 @@ def _kill(step: str) -> None:
         switch(step)
 
 
+PRODUCE_CHUNK = 4096  # outputs produced between two looks at the expiry clock
+
+
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
 
@@ -485,7 +488,7 @@ class SowLoop:
                 _kill("produce")
                 self._produce_all(out[half:], positions, failures)
             else:
-                self._produce_all(out, positions, failures)
+                self._produce_all(out, positions, failures, sweep=True)
             self._produced.update(o.topic for o in out)
             if self.eos:
                 if offsets:
@@ -523,20 +526,27 @@ class SowLoop:
         for topic, n in self._produced.items():
             metrics.OUTPUTS.labels(topic).inc(n)
 
-    def _produce_all(self, out: list[Output], positions: _Positions, failures: _Failures | None) -> None:
+    def _produce_all(self, out: list[Output], positions: _Positions, failures: _Failures | None, sweep: bool = False) -> None:
         """Produce outputs; changelog records report their offsets, the others only failures (and
-        those only without transactions: a transaction's commit fails if any message did)."""
+        those only without transactions: a transaction's commit fails if any message did). With
+        `sweep`, the expiry clock is looked at every PRODUCE_CHUNK outputs: what it expires joins
+        `out` and goes in the same transaction, so a large batch does not make records expire late."""
         produce = self.producer.produce
-        for o in out:
-            callback = positions if o.changelog else failures
-            try:
-                produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
-            except BufferError:
-                self._produce_when_room(o, callback)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise
-                self._produce_when_room(_too_large(o, self.settings.max_message_bytes), None)
+        start = 0
+        while start < len(out):
+            for o in out[start:start + PRODUCE_CHUNK]:
+                callback = positions if o.changelog else failures
+                try:
+                    produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+                except BufferError:
+                    self._produce_when_room(o, callback)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                        raise
+                    self._produce_when_room(_too_large(o, self.settings.max_message_bytes), None)
+            start += PRODUCE_CHUNK
+            if sweep:
+                self._sweep_if_due(out)
 
     def _produce_when_room(self, o: Output, callback) -> None:
         while True:
