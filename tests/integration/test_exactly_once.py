@@ -145,8 +145,12 @@ def run_stream(stream, rounds=5, pause=0.6):
         time.sleep(pause)
 
 
-def wait_settled(bootstrap, spec, timeout=90):
-    """Until `.diff` has stopped growing for a few seconds (the worker applied all it will)."""
+def wait_settled(bootstrap, spec, timeout=90, worker=None):
+    """Until `.diff` has stopped growing for a few seconds (the worker applied all it will). With a
+    worker just started, first until it took its partitions: joining the group can wait for a killed
+    member's session to time out, with nothing growing meanwhile."""
+    if worker is not None:
+        wait_until(lambda: "restored" in worker.log(), timeout, "the worker took its partitions")
     last = [-1, time.monotonic()]
 
     def check():
@@ -171,7 +175,7 @@ def test_a_crash_at_any_step_loses_and_repeats_nothing(kafka_bootstrap, unique_n
     assert "test switch" in worker.log()
     again = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", "w2").start()
     try:
-        wait_settled(kafka_bootstrap, spec)
+        wait_settled(kafka_bootstrap, spec, worker=again)
         time.sleep(2)  # the lifetimes of 1.5 s have run out and been swept
         wait_settled(kafka_bootstrap, spec)
         assert_exactly_once(kafka_bootstrap, spec)
@@ -191,7 +195,7 @@ def test_random_kills_over_every_operation(kafka_bootstrap, unique_name, tmp_pat
         worker.kill()
     last = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "d", "last").start()
     try:
-        wait_settled(kafka_bootstrap, spec)
+        wait_settled(kafka_bootstrap, spec, worker=last)
         time.sleep(2)
         wait_settled(kafka_bootstrap, spec)
         assert_exactly_once(kafka_bootstrap, spec)
