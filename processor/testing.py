@@ -55,11 +55,6 @@ class LocalTopic:
             self.engine.expire_due(p, now, out)
         return out
 
-    def release_views(self, p: int, now: int, everything: bool = False) -> list[Output]:
-        out: list[Output] = []
-        self.engine.release_views(p, now, out, everything)
-        return out
-
     def restore(self, p: int, key: bytes | None, value: bytes | None, headers, timestamp: int) -> None:
         self.engine.restore(p, self.open(p), key, value, headers, timestamp)
 

@@ -138,10 +138,10 @@ class SowTopicEngine:
     def expire_due(self, p: int, now: int, out: list, limit: int | None = None) -> int:
         return self.partitions[p].expire_due(now, out, limit)
 
-    def release_views(self, p: int, now: int, out: list, everything: bool = False) -> None:
-        """Conflated view events whose interval ended (all of them when the partition is handed over)."""
+    def release_views(self, p: int, now: int, out: list) -> None:
+        """Release the conflated view events whose interval ended."""
         for view in self.views:
-            view.due(p, now, out, everything)
+            view.due(p, now, out)
 
     @property
     def conflates(self) -> bool:

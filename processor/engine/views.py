@@ -112,12 +112,13 @@ class ViewProcessor:
         value = orjson.dumps({"due": held.due, "event": held.event, "headers": [(k, v.decode()) for k, v in held.headers]})
         out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), value, []))
 
-    def due(self, p: int, now: int, out: list, everything: bool = False) -> None:
-        """Release the conflated events whose interval has ended (all of them with `everything`)."""
+    def due(self, p: int, now: int, out: list) -> None:
+        """Release the conflated events whose interval has ended (a handed-over partition's holds are
+        read back by its new owner from `<topic>.holds`, so none is released early)."""
         waiting = self.pending.get(p)
         if not waiting:
             return
-        for key in [k for k, held in waiting.items() if everything or held.due <= now]:
+        for key in [k for k, held in waiting.items() if held.due <= now]:
             held = waiting.pop(key)
             out.append(Output(self.diff_topic, p, key.encode(), orjson.dumps(held.event["record"]), held.headers))
             out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), None, []))

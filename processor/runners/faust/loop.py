@@ -197,7 +197,6 @@ class SowLoop:
 
     def __init__(self, topology: Topology, bootstrap: str, group: str, data_dir: Path, topology_dir: Path | None = None,
                  settings: LoopSettings | None = None, instance: str = "0"):
-        self.topology = topology
         self.bootstrap = bootstrap
         self.group = group
         self.data_dir = data_dir
