@@ -16,3 +16,8 @@ class ConfigError(KsowError, ValueError):
 
 class UnsupportedByEngine(ConfigError):
     """A topology needs a capability the chosen engine does not have."""
+
+
+class BatchAborted(Exception):
+    """A runner gave up the batch in flight (its transaction could not commit) while the engine was
+    applying an input: the engine lets it through instead of blaming the input."""

@@ -18,6 +18,7 @@ QUERY_MAX_ROWS = 100_000  # records one HTTP query may return
 QUERY_MAX_SECONDS = 10.0  # time one HTTP query may take on a worker
 READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this long without progress
 MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
+DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of the worker (its memory and transaction stay bounded)
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
@@ -25,6 +26,7 @@ _ENV = {
     "KSOW_QUERY_MAX_SECONDS": (float, QUERY_MAX_SECONDS),
     "KSOW_READ_IDLE_TIMEOUT": (float, READ_IDLE_TIMEOUT_S),
     "KSOW_MAX_RECORD_BYTES": (int, MAX_RECORD_BYTES),
+    "KSOW_DELETE_CHUNK": (int, DELETE_CHUNK),
 }
 
 
@@ -40,6 +42,11 @@ def _env(name: str) -> int | float:
     if value is None or not value > 0 or value == float("inf"):
         raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
     return value
+
+
+def delete_chunk() -> int:
+    """Records one sow_delete removes between two commits of a worker (env KSOW_DELETE_CHUNK)."""
+    return int(_env("KSOW_DELETE_CHUNK"))
 
 
 def max_delete_keys() -> int:

@@ -66,7 +66,7 @@ class DictState:
         return self._due[0][0] if self._due else None
 
     def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
-        return iter(sorted(self.records.items(), key=lambda item: item[1].updated_at))
+        return iter(sorted(self.records.items(), key=lambda item: item[1].seq))
 
     def counter(self) -> int:
         return self._counter

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import orjson
 
 from processor.contract import headers as H
+from processor.contract.errors import InputError
 from processor.contract.types import InputMessage, Op, Output
 from processor.core.codec import Codec
 from processor.core.sow import Transition
@@ -44,22 +45,32 @@ def _headers(t: Transition, key: bytes, expires_at: int | None) -> list[tuple[st
     return headers
 
 
-def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, stored: bool = True) -> None:
+def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, stored: bool = True, max_bytes: int = 0) -> None:
     """Append the messages that tell the world about one transition of partition p.
 
     A write puts the merged record on `.sow` and the diff on `.diff`; a removal puts a tombstone on
     `.sow` and the last record on `.diff`, and for expire/evict also on `EXP.`/`.dead`. When nothing
     is stored (`transient` topics), a write is relayed whole on `.diff` and `.sow` is not written.
+
+    With `max_bytes`, a write whose record or diff would be larger raises InputError before anything
+    is appended (`out` may be a runner's buffer that produces as it is given messages).
     """
     key = t.key.encode()
     after = t.after
     if after is not None:
         headers = _headers(t, key, after.expires_at)
+        value = codec.encode(after.data)
         if not stored:
-            out.append(Output(streams.diff, p, key, codec.encode(after.data), headers))
+            if max_bytes and len(value) > max_bytes:
+                _too_large(t, streams.diff, len(value), max_bytes)
+            out.append(Output(streams.diff, p, key, value, headers))
             return
-        out.append(Output(streams.sow, p, key, codec.encode(after.data), headers, True))
-        out.append(Output(streams.diff, p, key, orjson.dumps(t.changes), headers))
+        changes = orjson.dumps(t.changes)
+        if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
+            big, topic = max((len(value), streams.sow), (len(changes), streams.diff))
+            _too_large(t, topic, big, max_bytes)
+        out.append(Output(streams.sow, p, key, value, headers, True))
+        out.append(Output(streams.diff, p, key, changes, headers))
         return
     before = t.before
     assert before is not None
@@ -71,6 +82,11 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
         out.append(Output(streams.expired or streams.dead, p, key, last, headers))
     elif t.op is Op.EVICT:
         out.append(Output(streams.dead, p, key, last, headers))
+
+
+def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:
+    raise InputError(f"the {t.op.value} of {t.key} would put {size} bytes on {topic}, over the limit of "
+                     f"{max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
 
 
 def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:

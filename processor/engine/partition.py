@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Iterator, Protocol
 
 from processor.contract.errors import InputError
-from processor.contract.limits import max_record_bytes
+from processor.contract.limits import delete_chunk, max_record_bytes
 from processor.contract import headers as H
 from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
 from processor.core.codec import Codec
@@ -27,16 +27,18 @@ from processor.engine.outputs import Streams, render
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
-RELIEVE_AT = 10_000  # outputs a runner's buffer may hold during one delete or sweep before it drains
 
 
-def relieve(out: list | None) -> None:
-    """Let a runner's output buffer hand what it holds to Kafka now, in the middle of a delete or a
-    sweep over many records (a buffer that can do so has `drain`; a plain list keeps everything)."""
-    if out is not None and len(out) >= RELIEVE_AT:
-        drain = getattr(out, "drain", None)
-        if drain is not None:
-            drain()
+def checkpoint(out: list | None) -> None:
+    """In the middle of a delete over many records, let a runner commit what is done so far (its
+    outputs, its state and the inputs before this one), so one input never holds an unbounded
+    transaction or unbounded staged state. A runner's output buffer that can do so has `checkpoint`;
+    a plain list keeps everything. After a crash the delete is applied again and finds only the
+    records it had not removed yet: the same outcome, each removal told once."""
+    if out is not None:
+        commit = getattr(out, "checkpoint", None)
+        if commit is not None:
+            commit()
 
 
 class PartitionState(Protocol):
@@ -54,7 +56,8 @@ class PartitionState(Protocol):
         ...
 
     def matching(self, predicate) -> Iterator[str]:
-        """SowKeys of the records (writes in flight included) whose data satisfies the filter."""
+        """SowKeys of the records (writes in flight included) whose data satisfies the filter, as
+        they were when it was called: the caller may remove records, and commit, while it runs."""
         ...
 
     def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
@@ -63,7 +66,8 @@ class PartitionState(Protocol):
         ...
 
     def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
-        """Live records, least recently updated first (for capacity eviction)."""
+        """Live records, least recently updated first (for capacity eviction): by event ID, which
+        orders a partition's changes as they were applied (updates of the same millisecond too)."""
         ...
 
     def counter(self) -> int: ...
@@ -94,6 +98,7 @@ class SowPartition:
         # Capacity is split evenly over the partitions, so the topic never holds more than `capacity`.
         self.capacity = capacity // n + (1 if p < capacity % n else 0) if capacity else 0
         self.max_bytes = max_record_bytes()
+        self.delete_chunk = delete_chunk()
 
     # event IDs ---------------------------------------------------------------------
     def next_seq(self, now: int) -> int:
@@ -167,6 +172,7 @@ class SowPartition:
             keys = self.state.matching(compile_filter(cmd.filter or "1=1"))
         state = self.state
         expiring = self.policy.active
+        chunk = self.delete_chunk
         removed = 0
         for key in keys:
             before = state.get(key)
@@ -177,7 +183,8 @@ class SowPartition:
             state.remove(key)
             self._emit(removal(op, key, before, now, self.next_seq(now)), out)
             removed += 1
-            relieve(out)
+            if removed % chunk == 0:
+                checkpoint(out)
         return removed
 
     def expire_due(self, now: int, out: list, limit: int | None = None) -> int:
@@ -195,7 +202,6 @@ class SowPartition:
             state.remove(key)
             self._emit(removal(Op.EXPIRE, key, record, now, self.next_seq(now)), out)
             expired += 1
-            relieve(out)
         return expired
 
     def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:
@@ -220,13 +226,7 @@ class SowPartition:
     def _emit_checked(self, t: Transition, out: list) -> None:
         """Emit a write's messages, refusing it (InputError, nothing emitted) when its encoded record
         or diff is over the size a Kafka message may have."""
-        start = len(out)
-        render(t, self.p, self.codec, self.streams, out, self.stored)
-        for o in out[start:]:  # the merged record and its diff
-            if o.value is not None and len(o.value) > self.max_bytes:
-                del out[start:]
-                raise InputError(f"{self.spec.topic}: the record would be {len(o.value)} bytes on {o.topic}, over the limit of "
-                                 f"{self.max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
+        render(t, self.p, self.codec, self.streams, out, self.stored, self.max_bytes)
         for listener in self.listeners:
             listener.on_change(self.p, t, out)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from processor.contract import headers as H
-from processor.contract.errors import InputError
+from processor.contract.errors import BatchAborted, InputError
 from processor.contract.types import Command, InputMessage, Output, SowRecord
 from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec, codec_for
@@ -47,6 +47,7 @@ class SowTopicEngine:
         self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
         self.inputs = (spec.topic, spec.delta_topic, spec.repartition_topic)
         self.key_paths = spec.key_spec.split
+        self.current: InputMessage | None = None  # the input being applied (a runner's checkpoint leaves it out)
         # What a store of this topic keeps beside its records (only topics with a capacity pay for ages).
         self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0)
 
@@ -76,13 +77,18 @@ class SowTopicEngine:
     def handle(self, messages: Iterable[InputMessage], now: int, out: list) -> None:
         """Apply messages in the given order; what cannot be applied goes to `.errors` with the reason."""
         for msg in messages:
+            self.current = msg
             try:
                 self.handle_one(msg, now, out)
+            except BatchAborted:
+                self.current = None
+                raise
             except InputError as exc:
                 out.append(rejected(msg, str(exc), self.streams))
             except Exception as exc:  # a poison message must not stop the worker: park it with the reason
                 log.exception("could not apply %s[%d]@%d", msg.topic, msg.partition, msg.offset)
                 out.append(rejected(msg, f"internal error: {type(exc).__name__}: {exc}", self.streams))
+        self.current = None
 
     def parse(self, msg: InputMessage):
         """(the command, the command its topic defaults to) of one input; raises InputError."""

@@ -5,7 +5,8 @@ Everything SOW-specific lives here, once, for every backend:
 
   r<SowKey>                        -> record (seq, expires_at, updated_at, data)
   x<expires_at:be64><SowKey>       -> ''      expiry index: each tick reads only what is due
-  u<updated_at:be64><SowKey>       -> ''      age index: capacity evicts the least recently updated
+  v<seq:be64><SowKey>              -> ''      age index: capacity evicts the least recently updated (event
+                                              IDs order a partition's changes; `u<updated_at>` before)
   i<index#><values hash><SowKey>   -> ''      hash indexes: equality queries without a scan
   m<name>                          -> int     metadata (changelog position, event-ID counter, count,
                                               the SowKey rule the records were checked against)
@@ -32,7 +33,8 @@ from processor.core.paths import get_path, split_path
 
 _REC = b"r"
 _EXP = b"x"
-_AGE = b"u"
+_AGE = b"v"
+_AGE_BY_INSTANT = b"u"  # the age index of stores written before it was keyed by event ID
 _IDX = b"i"
 _META = b"m"
 _HEADER = struct.Struct(">qqq")
@@ -117,6 +119,24 @@ class PartitionStore:
     # compaction: skipping them made each sweep cost O(records expired so far).
     _due_from: int = 0
 
+    def __post_init__(self) -> None:
+        if self.indexes.track_age:
+            self._reindex_age()
+
+    def _reindex_age(self) -> None:
+        """Move an age index keyed by update instant (stores of earlier releases) to event IDs: the
+        instant left records updated in the same millisecond in SowKey order."""
+        old = list(self.backend.scan(_AGE_BY_INSTANT, _AGE_BY_INSTANT + _END))
+        if not old:
+            return
+        writes: dict[bytes, bytes | None] = {}
+        for k, _ in old:
+            writes[k] = None
+            record = self._load(k[9:].decode())
+            if record is not None:
+                writes[_AGE + _BE64.pack(record.seq) + k[9:]] = b""
+        self.backend.commit(writes)
+
     # reads -----------------------------------------------------------------
     def get(self, key: str) -> SowRecord | None:
         if key in self._staged:
@@ -155,35 +175,25 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
-    def live_records(self) -> Iterator[tuple[str, SowRecord]]:
-        """Every record as the batch in flight sees it: committed ones, overridden by staged writes."""
-        staged = self._staged
-        for key, record in self.records():
-            if key not in staged:
-                yield key, record
-        for key, record in list(staged.items()):
-            if record is not None:
-                yield key, record
-
     def matching(self, predicate) -> Iterator[str]:
-        """SowKeys of the records the batch in flight sees whose data satisfies a compiled filter.
+        """SowKeys of the records the batch in flight sees whose data satisfies a compiled filter, as
+        of the call: the caller may remove records and commit while this runs (a long delete
+        checkpoints), so the staged writes are taken now and the committed records come from one
+        point-in-time scan (a record removed since is still listed; the caller finds it gone).
 
         When the filter's equality terms cover a hash index, only that index's candidates are read
         (a delete by filter on an indexed field does not decode the whole partition)."""
         matches = predicate.matches
+        staged = dict(self._staged)
         candidates = self._indexed_candidates(predicate)
         if candidates is None:
-            for key, record in self.live_records():
-                if matches(record.data):
-                    yield key
-            return
-        staged = self._staged
-        for key in candidates:
-            if key not in staged:
-                record = self._load(key)
-                if record is not None and matches(record.data):
-                    yield key
-        for key, record in list(staged.items()):
+            committed: Iterator[tuple[str, SowRecord | None]] = (kr for kr in self.records() if kr[0] not in staged)
+        else:
+            committed = ((key, self._load(key)) for key in candidates if key not in staged)
+        for key, record in committed:
+            if record is not None and matches(record.data):
+                yield key
+        for key, record in staged.items():
             if record is not None and matches(record.data):
                 yield key
 
@@ -266,17 +276,17 @@ class PartitionStore:
             self._due_from = now_ms + 1
 
     def oldest(self) -> Iterator[tuple[int, str]]:
-        """(updated_at, SowKey), least recently updated first (needs IndexSpec.track_age)."""
+        """(seq, SowKey), least recently updated first (needs IndexSpec.track_age)."""
         for k, _ in self.backend.scan(_AGE, _AGE + _END):
             yield _BE64.unpack_from(k, 1)[0], k[9:].decode()
 
     def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
         """Live records, least recently updated first, staged writes included (for eviction)."""
-        staged = sorted((r.updated_at, k) for k, r in self._staged.items() if r is not None)
-        committed = ((u, k) for u, k in self.oldest() if k not in self._staged)
-        for updated_at, key in heapq.merge(committed, staged):
+        staged = sorted((r.seq, k) for k, r in self._staged.items() if r is not None)
+        committed = ((s, k) for s, k in self.oldest() if k not in self._staged)
+        for seq, key in heapq.merge(committed, staged):
             record = self.get(key)
-            if record is not None and record.updated_at == updated_at:
+            if record is not None and record.seq == seq:
                 yield key, record
 
     def lookup(self, index_no: int, values: tuple) -> Iterator[str]:
@@ -353,7 +363,7 @@ class PartitionStore:
         if record.expires_at is not None:
             yield _EXP + _BE64.pack(_instant(record.expires_at)) + kb
         if self.indexes.track_age:
-            yield _AGE + _BE64.pack(record.updated_at) + kb
+            yield _AGE + _BE64.pack(record.seq) + kb
         for no, paths in enumerate(self.indexes.split):
             # Every key a value can be matched by ('10' also as 10, arrays by element), so an
             # equality filter finds the record whatever type spells the value.

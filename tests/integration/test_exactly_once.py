@@ -183,6 +183,40 @@ def test_a_crash_at_any_step_loses_and_repeats_nothing(kafka_bootstrap, unique_n
         again.kill()
 
 
+def test_a_crash_in_the_middle_of_a_large_delete_loses_and_repeats_nothing(kafka_bootstrap, unique_name, tmp_path):
+    """A delete by filter commits every KSOW_DELETE_CHUNK removals with the offsets of the inputs
+    before it; killed after some of those commits, the next worker applies it again and removes only
+    the rest. The records, the delete and the publishes after it arrive in one batch, so the
+    delete also reaches records written earlier in the same batch, not yet committed."""
+    path, spec = topology_file(tmp_path, unique_name)
+    ensure_topics(make_admin(kafka_bootstrap), topic_configs(spec))
+    stream = Stream(kafka_bootstrap, spec, seed=7)
+    for i in range(1000):
+        stream.send({"id": i, "grp": "a" if i % 3 else "b", "v": 0})
+    stream.producer.flush(30)
+    time.sleep(0.05)  # arrival times (LogAppendTime) order the three groups across partitions
+    stream.send(None, headers=[(H.COMMAND, b"sow_delete"), (H.FILTER, b"/grp = 'a'")], value=b"")
+    stream.producer.flush(30)
+    time.sleep(0.05)
+    for i in range(0, 30, 2):  # published after the delete: they stay
+        stream.send({"id": i, "grp": "a", "v": 1})
+    stream.producer.flush(30)
+    env = {"KSOW_DELETE_CHUNK": "40"}
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w1", env={**env, "KSOW_TEST_KILL_AT": "checkpoint:5"}).start()
+    wait_until(lambda: worker.proc.poll() is not None, 60, "the kill at the 5th checkpoint")
+    assert "test switch" in worker.log()
+    again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w2", env=env).start()
+    try:
+        wait_settled(kafka_bootstrap, spec, worker=again)
+        assert_exactly_once(kafka_bootstrap, spec)
+        sow: dict = {}
+        for m in read_topic(kafka_bootstrap, spec.sow_topic, range(P)):
+            sow[m.key()] = m.value()
+        assert sum(v is not None for v in sow.values()) == 334 + 10  # the 'b' records, and the 10 republished 'a' ones
+    finally:
+        again.kill()
+
+
 def test_random_kills_over_every_operation(kafka_bootstrap, unique_name, tmp_path):
     path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
     group = f"g-{unique_name}"

@@ -108,9 +108,9 @@ def test_a_worker_without_data_dir_finds_its_stores_again(tmp_path):
     assert default_data_dir("g", one) != default_data_dir("g", other) != default_data_dir("h", other)
 
 
-def test_a_delete_by_filter_over_many_records_drains_as_it_goes(kafka_bootstrap, unique_name, tmp_path, admin):
-    """30,000 records removed by one `1=1` delete: the batch hands its outputs to the open
-    transaction every 10,000 (engine.partition.relieve), and every tombstone is there exactly once."""
+def test_a_delete_by_filter_over_many_records_commits_as_it_goes(kafka_bootstrap, unique_name, tmp_path, admin):
+    """30,000 records removed by one `1=1` delete: the worker commits every 10,000 removals
+    (KSOW_DELETE_CHUNK, engine.partition.checkpoint), and every tombstone is there exactly once."""
     from processor.kafka.clients import make_producer
 
     path = write_topology(tmp_path, unique_name)

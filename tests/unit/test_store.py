@@ -41,7 +41,7 @@ def test_indexes_follow_updates_and_deletes(store):
     assert list(store.lookup(0, ("open",))) == ["b"]
     assert list(store.lookup(0, ("done",))) == ["a"]
     assert list(store.due(800)) == [(700, "b")]
-    assert list(store.oldest()) == [(11, "b"), (20, "a")]
+    assert list(store.oldest()) == [(2, "b"), (3, "a")]
     store.stage("b", None)
     store.commit()
     assert list(store.lookup(0, ("open",))) == [] and list(store.due(10_000)) == [(900, "a")]
@@ -146,3 +146,33 @@ def test_due_agrees_with_a_model(steps):
             store.rollback()
         now = t + 3
         assert list(store.due(now)) == sorted((at, key) for key, at in model.items() if at <= now)
+
+
+def test_least_recently_updated_follows_the_order_of_updates_within_a_millisecond(store):
+    """The age index is keyed by event ID: records updated in the same millisecond are evicted in
+    the order they were updated, not in SowKey order."""
+    for seq, key in enumerate(["z", "a", "m"], start=1):
+        store.stage(key, rec({"k": key}, seq, None, 100))
+    store.commit()
+    store.stage("z", rec({"k": "z", "again": True}, 4, None, 100))  # staged: the most recent
+    assert [k for k, _ in store.least_recently_updated()] == ["a", "m", "z"]
+    store.commit()
+    assert [k for k, _ in store.least_recently_updated()] == ["a", "m", "z"]
+
+
+def test_an_age_index_by_instant_is_moved_to_event_ids(tmp_path):
+    """Stores of earlier releases keyed the age index by update instant; opening one moves it."""
+    import struct
+
+    from processor.state.base import IndexSpec, PartitionStore, encode_record
+    from processor.state.rocksdb import RocksDBBackend
+
+    backend = RocksDBBackend(tmp_path / "old")
+    writes = {}
+    for seq, key in [(5, "b"), (9, "a")]:
+        writes[b"r" + key.encode()] = encode_record(rec({"k": key}, seq, None, 100))
+        writes[b"u" + struct.pack(">Q", 100) + key.encode()] = b""
+    backend.commit(writes)
+    store = PartitionStore(backend, IndexSpec(track_age=True))
+    assert list(store.oldest()) == [(5, "b"), (9, "a")]
+    assert list(backend.scan(b"u", b"v")) == []

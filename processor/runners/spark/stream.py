@@ -161,7 +161,7 @@ class SparkState:
                 yield at, key
 
     def least_recently_updated(self):
-        return iter(sorted(self._all(), key=lambda item: item[1].updated_at))  # a scan: capacity is costly here
+        return iter(sorted(self._all(), key=lambda item: item[1].seq))  # a scan: capacity is costly here
 
     def counter(self) -> int:
         return self._counter.get()[0] if self._counter.exists() else 0
