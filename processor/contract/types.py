@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 class Command(str, Enum):
@@ -34,6 +34,9 @@ class SowRecord:
     seq: int  # sow-seq of the event that produced this version
     expires_at: int | None = None  # epoch ms, None = never
     updated_at: int = 0  # epoch ms of the last publish/delta (capacity evicts the oldest)
+    # `data` as JSON bytes once someone has encoded it (the renderer, for a JSON topic): the store
+    # keeps these bytes instead of encoding the record a second time. Not part of its value.
+    json: bytes | None = field(default=None, compare=False, repr=False)
 
 @dataclass(slots=True)
 class SowCommand:

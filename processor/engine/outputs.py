@@ -60,6 +60,8 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
     if after is not None:
         headers = _headers(t, key, after.expires_at)
         value = codec.encode(after.data)
+        if codec.name == "json":
+            after.json = value
         if not stored:
             if max_bytes and len(value) > max_bytes:
                 _too_large(t, streams.diff, len(value), max_bytes)

@@ -12,7 +12,9 @@ Everything SOW-specific lives here, once, for every backend:
                                               the SowKey rule the records were checked against)
 
 Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
-batch, so a crash leaves the store at a consistent changelog position.
+batch, so a crash leaves the store at a consistent changelog position. Records read or committed
+stay decoded in a bounded cache (`CACHE_RECORDS`) for the runner's next batches: updates of the same
+records, the common case, then cost no RocksDB read and no decoding.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _instant(expires_at: int) -> int:
 
 def encode_record(record: SowRecord) -> bytes:
     expires = _NO_EXPIRY if record.expires_at is None else _instant(record.expires_at)
-    return _HEADER.pack(record.seq, expires, record.updated_at) + orjson.dumps(record.data)
+    data = record.json
+    return _HEADER.pack(record.seq, expires, record.updated_at) + (orjson.dumps(record.data) if data is None else data)
 
 
 def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
@@ -110,7 +113,7 @@ class PartitionStore:
     backend: KeyValueBackend
     indexes: IndexSpec = field(default_factory=IndexSpec)
     _staged: dict[str, SowRecord | None] = field(default_factory=dict)
-    _committed: dict[str, SowRecord | None] = field(default_factory=dict)
+    _committed: dict[str, SowRecord | None] = field(default_factory=dict)  # the cache: committed versions (None: absent)
     _meta: dict[str, int] = field(default_factory=dict)
     _size_delta: int = 0
     # No committed expiry-index entry is older than this instant (due() raises it to the oldest entry
@@ -143,7 +146,7 @@ class PartitionStore:
             return self._staged[key]
         if key in self._committed:
             return self._committed[key]
-        record = self._committed[key] = self._load(key)  # read once per batch: stage() needs it too
+        record = self._committed[key] = self._load(key)  # stage() needs it too
         return record
 
     def committed(self, key: str) -> SowRecord | None:
@@ -331,6 +334,7 @@ class PartitionStore:
         count = self.meta("count")
         plain = self.indexes.plain  # the common case: only records with an instant have an entry
         committed = self._committed
+        clamped: list[str] = []
         for key, after in self._staged.items():
             before = committed[key]
             kb = key.encode()
@@ -342,8 +346,12 @@ class PartitionStore:
                 writes[_REC + kb] = encode_record(after)
                 if not plain or after.expires_at is not None:
                     self._index(writes, kb, after)
-                    if after.expires_at is not None and _instant(after.expires_at) < self._due_from:
-                        self._due_from = _instant(after.expires_at)
+                    if after.expires_at is not None:
+                        instant = _instant(after.expires_at)
+                        if instant < self._due_from:
+                            self._due_from = instant
+                        if instant != after.expires_at:
+                            clamped.append(key)  # stored otherwise: not cached as it is
                 count += 1
             else:
                 writes[_REC + kb] = None
@@ -351,11 +359,21 @@ class PartitionStore:
         for name, value in self._meta.items():
             writes[_META + name.encode()] = _INT.pack(value)
         self.backend.commit(writes)
-        self.rollback()
+        if len(committed) + len(self._staged) > self.CACHE_RECORDS:
+            committed.clear()
+        else:
+            committed.update(self._staged)
+            for key in clamped:
+                del committed[key]
+        self._staged.clear()
+        self._meta.clear()
+        self._size_delta = 0
+
+    CACHE_RECORDS = 50_000  # decoded records kept between batches (cleared whole when it would grow past)
 
     def rollback(self) -> None:
+        """Forget the staged writes (the cache holds committed versions only: it stays)."""
         self._staged.clear()
-        self._committed.clear()
         self._meta.clear()
         self._size_delta = 0
 
@@ -382,6 +400,7 @@ class PartitionStore:
     def clear(self) -> None:
         """Forget everything and start empty (the changelog is then replayed from the start)."""
         self.rollback()
+        self._committed.clear()
         self.backend.clear()
 
     def close(self) -> None:
