@@ -77,7 +77,7 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
     before = t.before
     assert before is not None
     headers = _headers(t, key, before.expires_at)
-    last = codec.encode(before.data)
+    last = before.json if before.json is not None and codec.name == "json" else codec.encode(before.data)
     out.append(Output(streams.sow, p, key, None, headers, True))
     out.append(Output(streams.diff, p, key, last, headers))
     if t.op is Op.EXPIRE:

@@ -96,9 +96,10 @@ def encode_record(record: SowRecord) -> bytes:
 
 def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
     seq, expires, updated = _HEADER.unpack_from(raw)
+    body = raw[_HEADER.size :]
     if data is None:
-        data = orjson.loads(raw[_HEADER.size :])
-    return SowRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated)
+        data = orjson.loads(body)
+    return SowRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated, body)
 
 
 def index_value_hash(values: tuple) -> bytes:
