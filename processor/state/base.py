@@ -122,6 +122,7 @@ class PartitionStore:
     # index, where the entries of every record expired so far lie as RocksDB tombstones until
     # compaction: skipping them made each sweep cost O(records expired so far).
     _due_from: int = 0
+    _due_seek: bytes | None = None  # within a batch: the expiry index key after the last entry due() handed out and got past
 
     def __post_init__(self) -> None:
         if self.indexes.track_age:
@@ -268,15 +269,22 @@ class PartitionStore:
         return self.meta("count") + self._size_delta
 
     def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
-        """(expires_at, SowKey) of committed records whose instant is at or before now_ms."""
+        """(expires_at, SowKey) of committed records whose instant is at or before now_ms.
+
+        Within a batch, an entry the caller went past (it asked for the next one) was handled:
+        expired, or found stale. The batch's next sweeps start after it (`_due_seek`) instead of
+        reading again every entry the batch already expired (their removal is only staged)."""
         stop = _EXP + _BE64.pack(now_ms + 1)
+        seek = self._due_seek
         found = False
-        for k, _ in self.backend.scan(_EXP + _BE64.pack(self._due_from), stop):
+        for k, _ in self.backend.scan(_EXP + _BE64.pack(self._due_from) if seek is None else seek, stop):
             at = _BE64.unpack_from(k, 1)[0]
-            if not found:  # the oldest committed entry: nothing lies before it
-                found, self._due_from = True, at
+            if not found and seek is None:  # the oldest committed entry: nothing lies before it
+                self._due_from = at
+            found = True
             yield at, k[9:].decode()
-        if not found:
+            self._due_seek = k + b"\x00"
+        if not found and seek is None:
             self._due_from = now_ms + 1
 
     def oldest(self) -> Iterator[tuple[int, str]]:
@@ -369,6 +377,7 @@ class PartitionStore:
         self._staged.clear()
         self._meta.clear()
         self._size_delta = 0
+        self._due_seek = None
 
     CACHE_RECORDS = 50_000  # decoded records kept between batches (cleared whole when it would grow past)
 
@@ -377,6 +386,7 @@ class PartitionStore:
         self._staged.clear()
         self._meta.clear()
         self._size_delta = 0
+        self._due_seek = None
 
     def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
         if record.expires_at is not None:
