@@ -66,7 +66,7 @@ class Guarantee(str, Enum):
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
     batch_max: int = 20000  # messages taken from the consumer per cycle (one transaction: fewer commits to wait for)
-    chunk: int = 500  # inputs applied between two looks at the expiry clock (a look costs one clock read)
+    chunk: int = 2000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     expiry_tick_ms: int = 25  # between expiry sweeps
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
