@@ -119,19 +119,22 @@ class SowTopicEngine:
         if _is_local(msg):  # a fanned-out delete: for this partition only
             partitions[msg.partition].apply(cmd, published, now, out)
             return
-        if cmd.keys:  # each key is deleted by the partition that owns it
-            owners = {owner_partition(key, n) for key in cmd.keys}
+        # Each key is deleted by the partition that owns it; a filter by every partition. The
+        # partitions here go first: a long delete may commit part of its work and, after a crash,
+        # be applied again (engine.partition.checkpoint), so the copies for other owners are sent
+        # last, once, in the transaction that commits this input.
+        owners = {owner_partition(key, n) for key in cmd.keys} if cmd.keys else set(range(n))
+        for q in sorted(owners & partitions.keys()):
+            partitions[q].apply(cmd, published, now, out)
+        if cmd.keys:
             for key in cmd.keys:
                 owner = owner_partition(key, n)
                 if owner not in partitions:
                     out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode())))
-        else:  # a delete by filter: every partition deletes its own matches
-            owners = set(range(n))
+        else:
             for q in range(n):
                 if q not in partitions:
                     out.append(self._reroute(msg, default, q, msg.key))
-        for q in sorted(owners & partitions.keys()):
-            partitions[q].apply(cmd, published, now, out)
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]
