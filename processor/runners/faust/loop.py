@@ -192,9 +192,6 @@ class _Batch:
     def checkpoint(self) -> None:
         self.loop._checkpoint(self)
 
-    def __len__(self) -> int:
-        return self.sent
-
 
 class _Positions:
     """The `.sow` offsets of one transaction, from delivery reports of changelog records only."""
