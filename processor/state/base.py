@@ -374,10 +374,7 @@ class PartitionStore:
             committed.update(self._staged)
             for key in clamped:
                 del committed[key]
-        self._staged.clear()
-        self._meta.clear()
-        self._size_delta = 0
-        self._due_seek = None
+        self.rollback()  # nothing staged is left to forget: it is committed, and cached above
 
     CACHE_RECORDS = 50_000  # decoded records kept between batches (cleared whole when it would grow past)
 

@@ -15,8 +15,9 @@ A crash before 4 completes aborts the transaction: no output is visible to `read
 readers and the inputs are read again. A crash between 4 and 5 leaves the stores behind their
 changelog, and restoring replays it. An input that removes many records (a delete by filter)
 commits 4 and 5 every KSOW_DELETE_CHUNK removals with the offsets of the inputs before it
-(`_checkpoint`): a crash then applies it again, and it finds only what is left. A worker that lost its partitions (a long stall) cannot commit:
-its offsets carry an old group generation, so the coordinator refuses them and the transaction aborts.
+(`_checkpoint`): a crash then applies it again, and it finds only what is left. A worker that lost
+its partitions (a long stall) cannot commit: its offsets carry an old group generation, so the
+coordinator refuses them and the transaction aborts.
 
 With `at_least_once` there is no transaction: outputs are delivered, the stores committed, then the
 offsets; a crash repeats the outputs of the inputs read again.
@@ -153,7 +154,7 @@ class _Batch:
     its outputs in memory. Never raises: a failure is kept and fails the commit (an input must not
     be blamed for it)."""
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics")
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
@@ -162,11 +163,12 @@ class _Batch:
         self.failures = None if loop.eos else _Failures()
         self.sent = 0
         self.topics: Counter = Counter()  # outputs per topic, for the metrics
+        self.error: KafkaException | None = None  # the first produce failure: the commit raises it
 
     def append(self, o: Output) -> None:
-        loop = self.loop
-        if loop._produce_error is not None:
+        if self.error is not None:
             return
+        loop = self.loop
         callback = self.positions if o.changelog else self.failures
         try:
             if loop.eos and not loop._in_txn:
@@ -181,7 +183,7 @@ class _Batch:
                     raise
                 loop._produce_when_room(_too_large(o, loop.settings.max_message_bytes), None)
         except KafkaException as exc:
-            loop._produce_error = exc
+            self.error = exc
             return
         self.sent += 1
         self.topics[o.topic] += 1
@@ -399,7 +401,7 @@ class SowLoop:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()
-        out = self._start_batch()
+        out = _Batch(self)
         offsets: dict[tuple[str, int], int] = {}
         applied: Counter = Counter()
         for engine in self.engines.values():
@@ -410,11 +412,6 @@ class SowLoop:
         if out.sent or offsets or self._in_txn:
             self._commit(out, offsets, applied)
         self._flow_control()
-
-    def _start_batch(self) -> _Batch:
-        self._in_txn = False
-        self._produce_error: KafkaException | None = None
-        return _Batch(self)
 
     def _file(self, messages) -> None:
         """Put consumed messages in the queue of their input partition (end-of-partition events mark
@@ -526,8 +523,8 @@ class SowLoop:
         positions, failures = out.positions, out.failures
         started = time.perf_counter()
         try:
-            if self._produce_error is not None:
-                raise self._produce_error
+            if out.error is not None:
+                raise out.error
             if self.eos:
                 if not self._in_txn:
                     producer.begin_transaction()
@@ -616,7 +613,7 @@ class SowLoop:
         pending = [t for t in self.tasks.values() if not t.restored]
         if not pending:
             return
-        out = self._start_batch()
+        out = _Batch(self)
         now = time.time_ns() // 1_000_000
         for task in pending:
             self._restore(task, now, out)  # not visible to readers until `restored`
