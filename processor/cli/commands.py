@@ -118,13 +118,13 @@ def _topology_for_worker(topology: str | None):
     return topo
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None):
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False):
     from processor.runners.faust.loop import Guarantee, LoopSettings
     from processor.runners.faust.worker import SowWorker
 
     topo = _topology_for_worker(topology)
     topology_dir = Path(topology).resolve().parent.parent if topology else None
-    settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None)
+    settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None, static_membership=static or None)
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
                      settings=settings, web=web)
 
@@ -141,6 +141,10 @@ WORKER_OPTIONS = [
     click.option("--processing-guarantee", "guarantee", envvar="KSOW_PROCESSING_GUARANTEE", type=click.Choice(["exactly_once", "at_least_once"]),
                  default="exactly_once", show_default=True,
                  help="exactly_once: outputs and input offsets commit in one Kafka transaction; at_least_once: no transactions."),
+    click.option("--static-membership", "static", is_flag=True, envvar="KSOW_STATIC_MEMBERSHIP",
+                 help="Join the group as this worker's stable identity (host and data folder): a restart within the "
+                      "session timeout takes its partitions back without a rebalance; a stopped worker's partitions "
+                      "move only when its session times out."),
 ]
 
 
@@ -176,7 +180,7 @@ def _worker_options(fn):
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
 @click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
 @click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
-def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, static, loglevel, engine, checkpoint_dir, master, trigger) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
 
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
@@ -193,7 +197,7 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     load_topology(topology) if topology else None
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
     with _bootstrap_or_embedded(bootstrap) as address:
-        worker = _worker(address, topology, group, data_dir, web, guarantee)
+        worker = _worker(address, topology, group, data_dir, web, guarantee, static)
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
         try:
             worker.run(loglevel)

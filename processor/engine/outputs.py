@@ -71,7 +71,9 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
         if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
             big, topic = max((len(value), streams.sow), (len(changes), streams.diff))
             _too_large(t, topic, big, max_bytes)
-        out.append(Output(streams.sow, p, key, value, headers, True))
+        # The `.sow` record carries the instant of the change, so a store restored from it knows
+        # when each record last changed (a rerouted delete keeps what changed after it).
+        out.append(Output(streams.sow, p, key, value, headers, True, after.updated_at))
         out.append(Output(streams.diff, p, key, changes, headers))
         return
     before = t.before

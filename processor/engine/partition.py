@@ -113,11 +113,13 @@ class SowPartition:
         return (counter << SEQ_PARTITION_BITS) | self.p
 
     # commands ----------------------------------------------------------------------
-    def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
+    def apply(self, cmd: SowCommand, published: int, now: int, out: list, rerouted: bool = False) -> None:
         """Apply one command owned by this partition. `published` is the instant a lifetime counts
-        from, `now` the clock that decides what has expired. Raises InputError when refused."""
+        from (the input's Kafka timestamp), `now` the clock that decides what has expired. A delete
+        `rerouted` from another worker's partition keeps what changed after it was sent. Raises
+        InputError when refused."""
         if cmd.command is Command.SOW_DELETE:
-            self.delete(cmd, now, out)
+            self.delete(cmd, now, out, published if rerouted else None)
         else:
             self.write(cmd, published, now, out)
 
@@ -158,9 +160,13 @@ class SowPartition:
             state.remove(key)
             self._emit(removal(Op.EVICT, key, victim, now, self.next_seq(now)), out)
 
-    def delete(self, cmd: SowCommand, now: int, out: list) -> int:
+    def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None) -> int:
         """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter.
-        Returns how many records it removed."""
+        Returns how many records it removed.
+
+        `sent_at` is given for a delete that another worker fanned out to this partition through
+        `.repartition`: it can arrive after this partition applied inputs sent later than it, and a
+        record one of those wrote (last changed after `sent_at`) is not the delete's to remove."""
         if not self.stored:
             return 0  # nothing is kept, so nothing can be deleted
         if cmd.sow_key is not None:
@@ -176,7 +182,7 @@ class SowPartition:
         removed = 0
         for key in keys:
             before = state.get(key)
-            if before is None:
+            if before is None or (sent_at is not None and before.updated_at > sent_at):
                 continue
             # A record whose instant has passed was gone before the delete came: it expires.
             op = Op.EXPIRE if expiring and is_due(before.expires_at, now) else Op.DELETE

@@ -117,7 +117,7 @@ class SowTopicEngine:
                 target.apply(cmd, published, now, out)
             return
         if _is_local(msg):  # a fanned-out delete: for this partition only
-            partitions[msg.partition].apply(cmd, published, now, out)
+            partitions[msg.partition].apply(cmd, published, now, out, rerouted=True)
             return
         # Each key is deleted by the partition that owns it; a filter by every partition. The
         # partitions here go first: a long delete may commit part of its work and, after a crash,

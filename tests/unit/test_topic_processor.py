@@ -130,11 +130,11 @@ def test_delete_by_keys_applies_at_local_owners_and_reroutes_to_the_others(tmp_p
     keys = [key_of(a, r) for r in recs[:6]]
     remote = {k for k in keys if owner_partition(k, N) >= 2}
     assert remote and remote != set(keys)
-    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-keys", ",".join(keys).encode())], 1)])
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-keys", ",".join(keys).encode())], 2_000)])
     rerouted = [r for r in out if r.topic == "orders.repartition"]
     assert sorted(r.key.decode() for r in rerouted) == sorted(remote) and all(r.partition == owner_partition(r.key.decode(), N) for r in rerouted)
     assert {r.key.decode() for r in out if r.topic == "orders.sow"} == set(keys) - remote
-    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in rerouted]))
+    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, r.timestamp) for r in rerouted]))
     assert {r.key.decode() for r in out["orders.sow"]} == remote
     assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 6
 
@@ -197,7 +197,7 @@ def test_event_ids_increase_and_survive_restore(tmp_path):
 def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(tmp_path):
     a, b = two_workers(tmp_path)
     load(a, b, [{"id": i, "s": "open" if i % 2 else "done"} for i in range(8)])
-    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 1)])
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 2_000)])
     rerouted = [r for r in out if r.topic == "orders.repartition"]
     assert sorted(r.partition for r in rerouted) == [2, 3] and all(hdr(r, H.LOCAL) == b"1" for r in rerouted)
     # The copies for other owners come after every local removal: a long delete that commits part of
@@ -205,9 +205,34 @@ def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(
     topics = [r.topic for r in out]
     assert topics.index("orders.repartition") > max(i for i, t in enumerate(topics) if t != "orders.repartition")
     deleted = [r for r in out if r.topic == "orders.sow"]
-    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, 1) for r in rerouted]))
+    out = by_topic(run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, r.timestamp) for r in rerouted]))
     assert len(deleted) + len(out["orders.sow"]) == 4
     assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 4
+
+
+def test_a_fanned_out_delete_arriving_late_keeps_what_was_published_after_it(tmp_path):
+    """Another worker's copy of a delete by filter reaches b after b applied a publish sent later
+    than the delete: that record stays; the ones last changed before the delete go. The same holds
+    for a store restored from `.sow`, whose records carry the instant of their change."""
+    a, b = two_workers(tmp_path)
+    load(a, b, [{"id": i, "s": "open"} for i in range(8)])  # Kafka timestamp 1,000
+    late = [r for r in range(8) if msg(b, {"id": r}).partition >= 2][0]
+    newer = msg(b, {"id": late, "s": "open", "v": 2}, ts=3_000)
+    restored = make(tmp_path / "restored")
+    for r in (r for r in run(b, [newer]) if r.changelog):
+        assert r.timestamp == 3_000
+        restored.restore(r.partition, r.key, r.value, r.headers, r.timestamp)
+    for p in (2, 3):
+        restored.open(p)
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 2_000)])
+    copies = [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, r.timestamp) for r in out if r.topic == "orders.repartition"]
+    assert {c.timestamp for c in copies} == {2_000}
+    for worker in (b, restored):
+        deleted = [r.key for r in run(worker, copies) if r.topic == "orders.sow"]
+        kept = {k for p in (2, 3) for k, _ in worker.stores[p].records()}
+        assert kept == {key_of(b, {"id": late})}, "the later publish survives the delete sent before it"
+        if worker is b:
+            assert len(deleted) == sum(msg(b, {"id": i}).partition >= 2 for i in range(8)) - 1
 
 
 def test_bad_filters_and_internal_headers_are_errors_not_crashes(proc):

@@ -73,6 +73,9 @@ class LoopSettings:
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
     max_message_bytes: int = 1_000_000  # the producer's message.max.bytes (a record's own limit: processor.contract.limits)
+    # Static group membership (KIP-345): the worker joins as its stable identity (group, host, data
+    # folder), so a restart within the session timeout gets its partitions back with no rebalance.
+    static_membership: bool = False
 
     @classmethod
     def from_env(cls, **overrides) -> "LoopSettings":
@@ -82,6 +85,7 @@ class LoopSettings:
             batch_max=int(env("KSOW_BATCH_MAX", cls.batch_max)),
             max_idle_ms=int(env("KSOW_MAX_TASK_IDLE_MS", cls.max_idle_ms)),
             max_message_bytes=int(env("KSOW_MAX_MESSAGE_BYTES", cls.max_message_bytes)),
+            static_membership=env("KSOW_STATIC_MEMBERSHIP", "").lower() in ("1", "true", "yes"),
         )
         for name, value in overrides.items():
             if value is not None:
@@ -254,6 +258,7 @@ class SowLoop:
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
         self.transactional_id = f"ksow-{group}-{instance}"
+        membership = {"group.instance.id": self.transactional_id} if self.settings.static_membership else {}
         self.consumer = make_consumer(
             bootstrap, group,
             **{
@@ -264,6 +269,7 @@ class SowLoop:
                 "max.poll.interval.ms": 600000,
                 "enable.partition.eof": True,
                 "queued.max.messages.kbytes": 65536,
+                **membership,
             },
         )
         self.producer = self._new_producer()
