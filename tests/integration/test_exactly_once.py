@@ -279,6 +279,42 @@ def test_inputs_apply_in_timestamp_order_across_topics_and_repartitioning(kafka_
         worker.kill()
 
 
+def test_a_backlog_longer_than_the_max_idle_time_stays_in_order(kafka_bootstrap, unique_name, tmp_path):
+    """300,000 full publishes and deltas on 4,000 records, all on the broker before the worker
+    starts: more than an input partition's queue may hold (it is paused, so no input reaches its end
+    early), and applying them takes longer than KSOW_MAX_TASK_IDLE_MS (500 ms here). The merge empties
+    its bounding input at every drain while it makes progress; the wait must count only while it is
+    stuck, else the worker stops waiting in the middle of the backlog and applies deltas and full
+    publishes out of order (found by bench/peers.py at 600,000 inputs)."""
+    path, spec = topology_file(tmp_path, unique_name)
+    ensure_topics(make_admin(kafka_bootstrap), topic_configs(spec))
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 20, "enable.idempotence": True, "queue.buffering.max.messages": 400_000})
+    rnd = random.Random(17)
+    n = 300_000
+    for i in range(n):
+        rid = rnd.randrange(4000)
+        key = spec.key_spec.sow_key({"id": rid}).encode()
+        if rnd.random() < 0.4:
+            producer.produce(spec.delta_topic, orjson.dumps({"id": rid, "v": i}), key)
+        else:
+            producer.produce(spec.topic, orjson.dumps({"id": rid, "v": i, "full": rnd.randrange(9)}), key)
+        if i % 10_000 == 0:
+            producer.poll(0)
+    producer.flush(60)
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env={"KSOW_MAX_TASK_IDLE_MS": "500"}).start()
+    try:
+        wait_until(lambda: len(read_topic(kafka_bootstrap, spec.diff_topic, range(P))) >= n, 180, f"{n} changes", interval=2)
+        sow = {m.key().decode(): orjson.loads(m.value()) for m in read_topic(kafka_bootstrap, spec.sow_topic, range(P))}
+        fold = SowFold(spec)
+        for msg in inputs_of(kafka_bootstrap, spec):
+            fold.apply(msg)
+        expected = {k: r.data for k, r in fold.records.items()}
+        wrong = [k for k in expected if sow.get(k) != expected[k]]
+        assert not wrong and len(sow) == len(expected), f"{len(wrong)} of {len(expected)} records applied out of order"
+    finally:
+        worker.kill()
+
+
 @pytest.mark.parametrize("step", ["apply", "commit"])
 def test_a_stalled_worker_cannot_write_after_its_partitions_moved(kafka_bootstrap, unique_name, tmp_path, step):
     """SIGSTOP a worker in the middle of a batch (outputs produced, transaction open) for longer than

@@ -66,7 +66,7 @@ class Guarantee(str, Enum):
 @dataclass
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
-    batch_max: int = 20000  # messages taken from the consumer per cycle (one transaction: fewer commits to wait for)
+    batch_max: int = 50000  # messages taken from the consumer per cycle (one transaction: fewer commits to wait for)
     chunk: int = 2000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     expiry_tick_ms: int = 25  # between expiry sweeps
@@ -462,12 +462,12 @@ class SowLoop:
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
         batch = drain_in_order(queues, behind, force)
-        if any(b and not q for q, b in zip(queues, behind)) and any(queues):
+        if not batch:  # blocked: an input that is behind may still hold older entries; the wait starts now
             self._waiting_since.setdefault(topic, time.monotonic())
-        else:
-            self._waiting_since.pop(topic, None)
-        if not batch:
             return 0
+        # Progress resets the wait: it bounds how long the merge is stuck, not how long some input
+        # has been empty (during a long backlog the bounding input is emptied by every drain).
+        self._waiting_since.pop(topic, None)
         inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
         step = self.settings.chunk
         for start in range(0, len(inputs), step):  # the expiry clock is looked at between chunks
