@@ -113,13 +113,11 @@ class SowPartition:
         return (counter << SEQ_PARTITION_BITS) | self.p
 
     # commands ----------------------------------------------------------------------
-    def apply(self, cmd: SowCommand, published: int, now: int, out: list, rerouted: bool = False) -> None:
+    def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
         """Apply one command owned by this partition. `published` is the instant a lifetime counts
-        from (the input's Kafka timestamp), `now` the clock that decides what has expired. A delete
-        `rerouted` from another worker's partition keeps what changed after it was sent. Raises
-        InputError when refused."""
+        from, `now` the clock that decides what has expired. Raises InputError when refused."""
         if cmd.command is Command.SOW_DELETE:
-            self.delete(cmd, now, out, published if rerouted else None)
+            self.delete(cmd, now, out)
         else:
             self.write(cmd, published, now, out)
 

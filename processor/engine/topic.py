@@ -116,8 +116,8 @@ class SowTopicEngine:
             else:
                 target.apply(cmd, published, now, out)
             return
-        if _is_local(msg):  # a fanned-out delete: for this partition only
-            partitions[msg.partition].apply(cmd, published, now, out, rerouted=True)
+        if _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
+            partitions[msg.partition].delete(cmd, now, out, sent_at=published)
             return
         # Each key is deleted by the partition that owns it; a filter by every partition. The
         # partitions here go first: a long delete may commit part of its work and, after a crash,
