@@ -53,12 +53,22 @@ def changed_fields(old: dict, new: dict) -> dict:
 
 def diff(old: dict | None, new: dict, key_paths: tuple[tuple[str, ...], ...]) -> dict:
     """The delta message for `old` -> `new`: key fields first, then the changed fields."""
-    changes = dict(new) if old is None else changed_fields(old, new)
+    changes = new if old is None else changed_fields(old, new)
     out: dict = {}
+    nested = False
     for parts in key_paths:
+        if len(parts) == 1:
+            value = new.get(parts[0], MISSING)
+            if value is not MISSING:
+                out[parts[0]] = value
+            continue
+        nested = True
         value = get_path(new, parts)
         if value is not MISSING:
             set_path(out, parts, value)
+    if not nested:  # key values are scalars: a changed field never has to be merged into one
+        out.update(changes)
+        return out
     for name, value in changes.items():
         if name in out and isinstance(out[name], dict) and isinstance(value, dict):
             out[name] = merge(out[name], value)

@@ -156,9 +156,15 @@ class _Batch:
     (begun with its first output): librdkafka sends while the engine goes on applying, so the
     commit waits only for the tail, and a delete or a sweep that removes many records never holds
     its outputs in memory. Never raises: a failure is kept and fails the commit (an input must not
-    be blamed for it)."""
+    be blamed for it).
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error")
+    Under exactly-once a failed delivery fails the commit, so delivery reports are asked for only to
+    learn the `.sow` positions the stores remember: for the first `.sow` record of each partition in
+    the cycle and one in `_SAMPLE` after that (a Python callback per message cost ~1 us of the loop's
+    ~20 per input). A store's position is then a lower bound of what it holds, which is all a
+    restore needs: replaying a record the store already has writes the same record again."""
+
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "sampled", "changelog_sent")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
@@ -168,14 +174,25 @@ class _Batch:
         self.sent = 0
         self.topics: Counter = Counter()  # outputs per topic, for the metrics
         self.error: KafkaException | None = None  # the first produce failure: the commit raises it
+        self.sampled: set[tuple[str, int | None]] = set()  # `.sow` partitions with a position asked for
+        self.changelog_sent = 0
 
     def append(self, o: Output) -> None:
         if self.error is not None:
             return
         loop = self.loop
-        callback = self.positions if o.changelog else self.failures
+        if o.changelog:
+            self.changelog_sent += 1
+            tp = (o.topic, o.partition)
+            if self.failures is None and self.changelog_sent % _SAMPLE and tp in self.sampled:
+                callback = None
+            else:
+                callback = self.positions
+                self.sampled.add(tp)
+        else:
+            callback = self.failures
         try:
-            if loop.eos and not loop._in_txn:
+            if not loop._in_txn and loop.eos:
                 loop.producer.begin_transaction()
                 loop._in_txn = True
             try:
@@ -199,8 +216,12 @@ class _Batch:
         self.loop._checkpoint(self)
 
 
+_SAMPLE = 1024  # one `.sow` delivery report in this many (besides each partition's first of a cycle)
+
+
 class _Positions:
-    """The `.sow` offsets of one transaction, from delivery reports of changelog records only."""
+    """The `.sow` positions of one transaction: after the furthest record of each partition whose
+    delivery was reported (under exactly-once only some are; see _Batch)."""
 
     __slots__ = ("next", "failed")
 
@@ -470,14 +491,16 @@ class SowLoop:
         self._waiting_since.pop(topic, None)
         inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
         step = self.settings.chunk
-        for start in range(0, len(inputs), step):  # the expiry clock is looked at between chunks
+        for start in range(0, len(inputs), step):
+            # The expiry clock is looked at before every chunk: the first one comes after a commit,
+            # a store commit and a consume of up to `batch_max` inputs, long enough for due records.
+            self._sweep_if_due(out)
             chunk = inputs[start:start + step]
             self._applying = (engine, chunk, offsets)
             engine.handle(chunk, time.time_ns() // 1_000_000, out)
             for m in chunk:
                 offsets[(m.topic, m.partition)] = m.offset + 1
             self._applying = None
-            self._sweep_if_due(out)
         if _KILLS:
             _kill("apply")
         return len(inputs)
