@@ -91,7 +91,7 @@ def run(bootstrap: str, n: int, window: float, stream: int, with_expiry: bool) -
         result: dict = {}
         if with_expiry:
             # Instants in [W, W + window]; W leaves time to load N records first (~load rate measured live).
-            load_s = max(20.0, n / 2500)
+            load_s = max(20.0, n / 10000)  # a worker here applied 1M in ~40 s; a slower load is reported below
             start_at = time.time() + load_s
             rnd = random.Random(1)
             from processor.kafka.clients import make_producer, produce

@@ -269,19 +269,24 @@ class _Delivered:
         return self._offset
 
 
-def test_changelog_positions_from_delivery_reports():
-    """A store's changelog position is one past the highest delivered `.sow` offset of its partition;
-    a failed delivery is kept, so the batch fails."""
+def test_changelog_positions_from_sampled_delivery_reports():
+    """A store's changelog position is one past its partition's last `.sow` record of the batch, from
+    any reported record and the number produced after it; other records between them (a commit
+    marker, a zombie's aborted writes) leave it a lower bound; a failed delivery is kept, so the
+    batch fails."""
     from confluent_kafka import KafkaError
 
     from processor.runners.faust.loop import _Positions
 
     positions = _Positions()
-    for p, offset in ((0, 6), (0, 5), (2, 9)):
-        positions(None, _Delivered("orders.sow", p, offset))
-    assert positions.next == {("orders.sow", 0): 7, ("orders.sow", 2): 10} and not positions.failed
-    positions(KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered("orders.sow", 0, 11))
-    assert positions.failed and positions.next[("orders.sow", 0)] == 7
+    positions.report(1, None, _Delivered("orders.sow", 0, 5))  # records 1..4 of p0 at offsets 5..8
+    positions.report(1, None, _Delivered("orders.sow", 2, 9))  # record 1 of p2 at 9, record 2 at 12 (a gap)
+    assert positions.ends({("orders.sow", 0): 4, ("orders.sow", 2): 2}) == {("orders.sow", 0): 9, ("orders.sow", 2): 11}
+    positions.report(2, None, _Delivered("orders.sow", 2, 12))  # a later report narrows it to the real end
+    assert positions.ends({("orders.sow", 0): 4, ("orders.sow", 2): 2})[("orders.sow", 2)] == 13
+    assert not positions.failed
+    positions.report(5, KafkaError(KafkaError._MSG_TIMED_OUT), _Delivered("orders.sow", 0, 11))
+    assert positions.failed and positions.ends({("orders.sow", 0): 5, ("orders.sow", 2): 2})[("orders.sow", 0)] == 10
 
 
 def test_delete_by_filter_sees_records_of_the_same_batch():

@@ -37,6 +37,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -66,7 +67,11 @@ class Guarantee(str, Enum):
 @dataclass
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
-    batch_max: int = 50000  # messages taken from the consumer per cycle (one transaction: fewer commits to wait for)
+    # Messages taken from the consumer per cycle, one transaction each: larger cycles mean fewer
+    # commits to wait for, but no expiry sweep runs during a commit, which grows with the cycle.
+    # None: 50,000, or 20,000 when a topic has expiry or conflated views (measured in bench/expiry.py:
+    # p99 lateness under a backlog 343 ms with 50,000, 169 ms with 20,000).
+    batch_max: int | None = None
     chunk: int = 2000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     expiry_tick_ms: int = 25  # between expiry sweeps
@@ -82,7 +87,7 @@ class LoopSettings:
         env = os.environ.get
         settings = cls(
             guarantee=Guarantee(env("KSOW_PROCESSING_GUARANTEE", Guarantee.EXACTLY_ONCE.value)),
-            batch_max=int(env("KSOW_BATCH_MAX", cls.batch_max)),
+            batch_max=int(env("KSOW_BATCH_MAX")) if env("KSOW_BATCH_MAX") else None,
             max_idle_ms=int(env("KSOW_MAX_TASK_IDLE_MS", cls.max_idle_ms)),
             max_message_bytes=int(env("KSOW_MAX_MESSAGE_BYTES", cls.max_message_bytes)),
             static_membership=env("KSOW_STATIC_MEMBERSHIP", "").lower() in ("1", "true", "yes"),
@@ -159,12 +164,11 @@ class _Batch:
     be blamed for it).
 
     Under exactly-once a failed delivery fails the commit, so delivery reports are asked for only to
-    learn the `.sow` positions the stores remember: for the first `.sow` record of each partition in
-    the cycle and one in `_SAMPLE` after that (a Python callback per message cost ~1 us of the loop's
-    ~20 per input). A store's position is then a lower bound of what it holds, which is all a
-    restore needs: replaying a record the store already has writes the same record again."""
+    learn where the stores' `.sow` records end (_Positions): for the first `.sow` record of each
+    partition in the cycle and one in `_SAMPLE` after that. A Python callback per message cost ~1 us
+    of the loop's ~20 per input."""
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "sampled", "changelog_sent")
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
@@ -174,21 +178,19 @@ class _Batch:
         self.sent = 0
         self.topics: Counter = Counter()  # outputs per topic, for the metrics
         self.error: KafkaException | None = None  # the first produce failure: the commit raises it
-        self.sampled: set[tuple[str, int | None]] = set()  # `.sow` partitions with a position asked for
-        self.changelog_sent = 0
+        self.changelog: dict[tuple[str, int | None], int] = {}  # `.sow` records produced per partition
 
     def append(self, o: Output) -> None:
         if self.error is not None:
             return
         loop = self.loop
         if o.changelog:
-            self.changelog_sent += 1
             tp = (o.topic, o.partition)
-            if self.failures is None and self.changelog_sent % _SAMPLE and tp in self.sampled:
+            n = self.changelog[tp] = self.changelog.get(tp, 0) + 1
+            if self.failures is None and n > 1 and n % _SAMPLE:
                 callback = None
             else:
-                callback = self.positions
-                self.sampled.add(tp)
+                callback = partial(self.positions.report, n)
         else:
             callback = self.failures
         try:
@@ -202,7 +204,7 @@ class _Batch:
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
-                loop._produce_when_room(_too_large(o, loop.settings.max_message_bytes), None)
+                loop._produce_when_room(_too_large(o, loop.settings.max_message_bytes), callback)
         except KafkaException as exc:
             self.error = exc
             return
@@ -216,27 +218,36 @@ class _Batch:
         self.loop._checkpoint(self)
 
 
-_SAMPLE = 1024  # one `.sow` delivery report in this many (besides each partition's first of a cycle)
+_SAMPLE = 1024  # a `.sow` delivery report in this many of a partition's records (and its first of a cycle)
 
 
 class _Positions:
-    """The `.sow` positions of one transaction: after the furthest record of each partition whose
-    delivery was reported (under exactly-once only some are; see _Batch)."""
+    """Where the `.sow` records of one batch end in each partition: the offset of a reported record
+    plus the number of records produced after it there. One producer's records of a partition get
+    increasing offsets in the order produced; other records between them (a commit marker, a fenced
+    zombie's aborted writes) only push the real end further, so the result is a lower bound of it,
+    exact in the common case. A lower bound is all a store needs: a restore replays from there, and
+    a record the store already has is written again unchanged."""
 
-    __slots__ = ("next", "failed")
+    __slots__ = ("base", "failed")
 
     def __init__(self) -> None:
-        self.next: dict[tuple[str, int], int] = {}
+        self.base: dict[tuple[str, int], int] = {}  # offset of a reported record minus its number in the batch
         self.failed: list = []
 
-    def __call__(self, err, msg) -> None:
+    def report(self, n: int, err, msg) -> None:
+        """The delivery report of a partition's n-th `.sow` record of the batch (from 1)."""
         if err is not None:
             self.failed.append(err)
             return
         tp = (msg.topic(), msg.partition())
-        offset = msg.offset() + 1
-        if offset > self.next.get(tp, 0):
-            self.next[tp] = offset
+        base = msg.offset() - n
+        if base > self.base.get(tp, -(1 << 62)):
+            self.base[tp] = base
+
+    def ends(self, produced: dict) -> dict[tuple[str, int], int]:
+        """The position after the last `.sow` record of each partition, given the records produced."""
+        return {tp: base + produced[tp] + 1 for tp, base in self.base.items()}
 
 
 class _Failures:
@@ -275,6 +286,8 @@ class SowLoop:
         self._paused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._next_sweep = 0.0
+        self._timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
+        self.batch_max = self.settings.batch_max or (20_000 if self._timed else 50_000)
         self._in_txn = False
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
@@ -423,7 +436,10 @@ class SowLoop:
 
     # the cycle ------------------------------------------------------------------------------
     def cycle(self) -> None:
-        messages = self.consumer.consume(self.settings.batch_max, 0.05)
+        # An idle worker waits for inputs until its next expiry sweep is due, not longer: a record
+        # must not wait for the consumer's timeout to expire.
+        wait = min(0.05, max(0.0, self._next_sweep - time.monotonic())) if self._timed else 0.05
+        messages = self.consumer.consume(self.batch_max, wait)
         if messages:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
@@ -576,11 +592,12 @@ class SowLoop:
             return False
         if _KILLS:
             _kill("store")
+        ends = positions.ends(out.changelog)
         for task in self.tasks.values():
             store = task.store
             if store is None:
                 continue
-            position = positions.next.get((task.engine.spec.sow_topic, task.p))
+            position = ends.get((task.engine.spec.sow_topic, task.p))
             if position is not None and position > store.meta("changelog"):
                 store.set_meta("changelog", position)
             if store.dirty:
