@@ -119,12 +119,16 @@ def _topology_for_worker(topology: str | None):
 
 
 def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False):
+    from processor.contract.errors import ConfigError
     from processor.runners.faust.loop import Guarantee, LoopSettings
     from processor.runners.faust.worker import SowWorker
 
     topo = _topology_for_worker(topology)
     topology_dir = Path(topology).resolve().parent.parent if topology else None
-    settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None, static_membership=static or None)
+    try:
+        settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None, static_membership=static or None)
+    except ConfigError as exc:
+        _fail(str(exc))
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
                      settings=settings, web=web)
 

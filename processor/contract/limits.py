@@ -32,6 +32,12 @@ _ENV = {
 
 def _env(name: str) -> int | float:
     kind, default = _ENV[name]
+    return positive_env(name, kind, default)
+
+
+def positive_env(name: str, kind: type = int, default=None):
+    """A positive number from environment variable `name` (default when unset or blank); anything
+    else is a ConfigError naming the variable."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default

@@ -77,3 +77,24 @@ def test_every_command_that_connects_takes_kafka_config(run):
         options = {opt for param in command.params for opt in param.opts}
         assert ("--kafka-config" in options) == (name != "broker"), name
     assert "--secured" in run("broker", "--help").output
+
+
+@pytest.mark.parametrize("name,value", [("KSOW_BATCH_MAX", "abc"), ("KSOW_BATCH_MAX", "0"), ("KSOW_SESSION_TIMEOUT_MS", "-5"),
+                                        ("KSOW_MAX_TASK_IDLE_MS", "soon"), ("KSOW_TRANSACTION_TIMEOUT_MS", "1.5")])
+def test_up_refuses_a_bad_loop_setting_before_connecting(run, monkeypatch, name, value):
+    """The worker loop's environment settings are checked when `ksow up` starts: exit 1 naming the
+    variable, not a traceback from the worker's thread."""
+    monkeypatch.setenv(name, value)
+    result = run("up", *NOWHERE, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
+    assert result.exit_code == 1 and f"{name} must be a positive integer, got '{value}'" in result.output
+
+
+def test_loop_settings_from_the_environment(monkeypatch):
+    from processor.runners.faust.loop import Guarantee, LoopSettings
+
+    monkeypatch.setenv("KSOW_BATCH_MAX", "1234")
+    monkeypatch.setenv("KSOW_PROCESSING_GUARANTEE", "at_least_once")
+    settings = LoopSettings.from_env()
+    assert settings.batch_max == 1234 and settings.guarantee is Guarantee.AT_LEAST_ONCE and settings.session_timeout_ms == 10_000
+    monkeypatch.delenv("KSOW_BATCH_MAX")
+    assert LoopSettings.from_env().batch_max is None  # the loop picks 50,000, or 20,000 for timed topics

@@ -43,7 +43,8 @@ from pathlib import Path
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract import headers as H
-from processor.contract.errors import BatchAborted
+from processor.contract.errors import BatchAborted, ConfigError
+from processor.contract.limits import positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
@@ -78,6 +79,8 @@ class LoopSettings:
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
     max_message_bytes: int = 1_000_000  # the producer's message.max.bytes (a record's own limit: processor.contract.limits)
+    session_timeout_ms: int = 10_000  # a worker silent this long leaves the group (its partitions move)
+    transaction_timeout_ms: int = 10_000  # the coordinator aborts a transaction open this long (a stalled worker's)
     # Static group membership (KIP-345): the worker joins as its stable identity (group, host, data
     # folder), so a restart within the session timeout gets its partitions back with no rebalance.
     static_membership: bool = False
@@ -85,11 +88,18 @@ class LoopSettings:
     @classmethod
     def from_env(cls, **overrides) -> "LoopSettings":
         env = os.environ.get
+        raw_guarantee = env("KSOW_PROCESSING_GUARANTEE") or Guarantee.EXACTLY_ONCE.value
+        try:
+            guarantee = Guarantee(raw_guarantee)
+        except ValueError:
+            raise ConfigError(f"KSOW_PROCESSING_GUARANTEE must be exactly_once or at_least_once, got {raw_guarantee!r}") from None
         settings = cls(
-            guarantee=Guarantee(env("KSOW_PROCESSING_GUARANTEE", Guarantee.EXACTLY_ONCE.value)),
-            batch_max=int(env("KSOW_BATCH_MAX")) if env("KSOW_BATCH_MAX") else None,
-            max_idle_ms=int(env("KSOW_MAX_TASK_IDLE_MS", cls.max_idle_ms)),
-            max_message_bytes=int(env("KSOW_MAX_MESSAGE_BYTES", cls.max_message_bytes)),
+            guarantee=guarantee,
+            batch_max=positive_env("KSOW_BATCH_MAX"),
+            max_idle_ms=positive_env("KSOW_MAX_TASK_IDLE_MS", int, cls.max_idle_ms),
+            max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
+            session_timeout_ms=positive_env("KSOW_SESSION_TIMEOUT_MS", int, cls.session_timeout_ms),
+            transaction_timeout_ms=positive_env("KSOW_TRANSACTION_TIMEOUT_MS", int, cls.transaction_timeout_ms),
             static_membership=env("KSOW_STATIC_MEMBERSHIP", "").lower() in ("1", "true", "yes"),
         )
         for name, value in overrides.items():
@@ -298,7 +308,7 @@ class SowLoop:
             **{
                 "isolation.level": "read_committed",
                 "partition.assignment.strategy": "range",  # co-partitions <topic>, .delta and .repartition
-                "session.timeout.ms": int(os.environ.get("KSOW_SESSION_TIMEOUT_MS", 10000)),
+                "session.timeout.ms": self.settings.session_timeout_ms,
                 "heartbeat.interval.ms": 2000,
                 "max.poll.interval.ms": 600000,
                 "enable.partition.eof": True,
@@ -316,7 +326,7 @@ class SowLoop:
             self.bootstrap,
             **{
                 "transactional.id": self.transactional_id,
-                "transaction.timeout.ms": int(os.environ.get("KSOW_TRANSACTION_TIMEOUT_MS", 10000)),
+                "transaction.timeout.ms": self.settings.transaction_timeout_ms,
                 "retry.backoff.ms": 10,  # send_offsets_to_transaction retries CONCURRENT_TRANSACTIONS quickly
                 # read_committed readers see nothing before the commit, and the commit flushes: a
                 # longer linger only makes fewer, larger produce requests (less CPU here and on the broker).
@@ -405,7 +415,7 @@ class SowLoop:
             return
         committed = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
         uncommitted = make_consumer(self.bootstrap, **{"isolation.level": "read_uncommitted"})
-        deadline = time.monotonic() + int(os.environ.get("KSOW_TRANSACTION_TIMEOUT_MS", 10000)) / 1000 + 30
+        deadline = time.monotonic() + self.settings.transaction_timeout_ms / 1000 + 30
         try:
             for task in tasks:
                 for topic in (task.engine.spec.sow_topic, task.engine.spec.diff_topic):
