@@ -25,13 +25,22 @@ def _publisher(client: Client, topic: str, stop: threading.Event) -> None:
     """Full publishes, delta publishes, a short-lived record and a delete, over and over."""
     rnd = random.Random(7)
     customers = ["alice", "bob", "carol"]
+
+    def open_order(order: int) -> None:
+        client.publish(topic, {"order_id": order, "customer": rnd.choice(customers), "status": "open", "qty": rnd.randrange(100, 2000), "px": {"limit": 100.0}})
+
+    # Every order exists before its first delta: a delta on a missing record becomes the record
+    # (AMPS rules), which on screen looks like a delta applied before its record.
+    for order in range(1, 6):
+        open_order(order)
+    client.flush()
     n = 0
     while not stop.is_set():
         n += 1
         order = n % 5 + 1
         step = n % 4
         if step == 1:
-            client.publish(topic, {"order_id": order, "customer": rnd.choice(customers), "status": "open", "qty": rnd.randrange(100, 2000), "px": {"limit": 100.0}})
+            open_order(order)
         elif step == 2:
             client.publish(topic, {"order_id": order, "qty": rnd.randrange(100, 2000), "px": {"last": round(rnd.uniform(99, 101), 2)}}, delta=True)
         elif step == 3:
@@ -40,6 +49,7 @@ def _publisher(client: Client, topic: str, stop: threading.Event) -> None:
             client.publish(topic, {"order_id": order, "status": "filled"}, delta=True)
             if n % 12 == 0:
                 client.delete(topic, data={"order_id": order})
+                open_order(order)  # re-opened, so the next delta has a record to update
         client.flush()
         stop.wait(1.0)
 
