@@ -35,9 +35,9 @@ def _env(name: str) -> int | float:
     return positive_env(name, kind, default)
 
 
-def positive_env(name: str, kind: type = int, default=None):
-    """A positive number from environment variable `name` (default when unset or blank); anything
-    else is a ConfigError naming the variable."""
+def positive_env(name: str, kind: type = int, default=None, zero: bool = False):
+    """A positive number (or zero, with `zero`) from environment variable `name` (default when unset
+    or blank); anything else is a ConfigError naming the variable."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
@@ -45,8 +45,9 @@ def positive_env(name: str, kind: type = int, default=None):
         value = kind(raw)
     except ValueError:
         value = None
-    if value is None or not value > 0 or value == float("inf"):
-        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
+    if value is None or not (value >= 0 if zero else value > 0) or value == float("inf"):
+        what = "a non-negative" if zero else "a positive"
+        raise ConfigError(f"{name} must be {what} {'integer' if kind is int else 'number'}, got {raw!r}")
     return value
 
 

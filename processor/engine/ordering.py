@@ -17,6 +17,11 @@ fetched) could still hold an older one: the merge stops at the last entry of the
 such partition, and at once when one of them is empty. The runner then waits, bounded by its max
 idle time, and forces the merge when that has passed (stream-time synchronisation, as Kafka
 Streams' `max.task.idle.ms`).
+
+An input partition that is caught up can still receive a message sent just before one the merge is
+about to take: appended to the log after the fetch that found it caught up. The runner knows a sort
+key such messages come after (a grace period after which any message appended earlier has been
+fetched) and hands it in as that partition's bound: see the runner's order grace.
 """
 
 from __future__ import annotations
@@ -30,22 +35,29 @@ Entry = tuple[int, int, int, int, Any]
 _NO_BOUND = (float("inf"),)
 
 
-def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool = False) -> list:
+def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool = False,
+                   caught_up: Sequence[tuple | None] | None = None) -> list:
     """Pop every entry that can be applied now from FIFO queues of entries (each in increasing
     order) and return their items in merged order.
 
     `behind[i]` says queue i may receive older entries that are not fetched yet: nothing past the
     last entry of such a queue may go (nothing at all while one is empty), unless `force`.
+    `caught_up[i]`, for a queue that is not behind, is a sort key its entries still to come are known
+    to follow (None: no bound): nothing past it may go either, unless `force`.
     """
     bound: tuple = _NO_BOUND
     if not force:
-        for q, b in zip(queues, behind):
+        for i, (q, b) in enumerate(zip(queues, behind)):
             if b:
                 if not q:
                     return []
                 last = q[-1]
-                if last < bound:
-                    bound = last
+            elif caught_up is None or caught_up[i] is None:
+                continue
+            else:
+                last = caught_up[i]
+            if last < bound:
+                bound = last
     taken: list = []
     live = 0
     for q in queues:

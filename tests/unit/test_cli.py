@@ -89,6 +89,12 @@ def test_up_refuses_a_bad_loop_setting_before_connecting(run, monkeypatch, name,
     assert result.exit_code == 1 and f"{name} must be a positive integer, got '{value}'" in result.output
 
 
+def test_up_refuses_a_negative_order_grace(run, monkeypatch):
+    monkeypatch.setenv("KSOW_ORDER_GRACE_MS", "-1")
+    result = run("up", *NOWHERE, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
+    assert result.exit_code == 1 and "KSOW_ORDER_GRACE_MS must be a non-negative integer, got '-1'" in result.output
+
+
 def test_loop_settings_from_the_environment(monkeypatch):
     from processor.runners.faust.loop import Guarantee, LoopSettings
 
@@ -98,3 +104,6 @@ def test_loop_settings_from_the_environment(monkeypatch):
     assert settings.batch_max == 1234 and settings.guarantee is Guarantee.AT_LEAST_ONCE and settings.session_timeout_ms == 10_000
     monkeypatch.delenv("KSOW_BATCH_MAX")
     assert LoopSettings.from_env().batch_max is None  # the loop picks 50,000, or 20,000 for timed topics
+    assert LoopSettings.from_env().order_grace_ms == 20
+    monkeypatch.setenv("KSOW_ORDER_GRACE_MS", "0")  # 0 is allowed: no wait for caught-up inputs
+    assert LoopSettings.from_env().order_grace_ms == 0

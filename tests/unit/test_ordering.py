@@ -73,3 +73,22 @@ def test_a_timestamp_that_goes_back_keeps_its_place_in_its_partition():
     full = entries(0, [10, 5])  # the second message's timestamp is older than the first's
     delta = entries(1, [7])
     assert [(r, o) for r, _, o, _ in drain_in_order([full, delta], [False, False])] == [(1, 0), (0, 0), (0, 1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), max_size=20).map(sorted), min_size=2, max_size=5), st.data())
+def test_nothing_passes_what_a_caught_up_input_may_still_deliver(streams, data):
+    """The order grace: a caught-up input bounds the merge at the sort key its next entries follow."""
+    queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
+    cut = data.draw(st.integers(0, 60))
+    caught_up = [data.draw(st.sampled_from([None, (cut, float("inf"))])) for _ in queues]
+    before = sum(map(len, queues))
+    out = drain_in_order(queues, [False] * len(queues), caught_up=caught_up)
+    if any(b is not None for b in caught_up):
+        assert all(ts <= cut for r, p, o, ts in out)  # (monotonic inputs: sort time == timestamp)
+        assert all(q[0][0] > cut for q in queues if q)
+    else:
+        assert not any(queues)
+    assert len(out) + sum(map(len, queues)) == before
+    left = sum(map(len, queues))
+    assert len(drain_in_order(queues, [False] * len(queues), force=True, caught_up=caught_up)) == left  # force: everything

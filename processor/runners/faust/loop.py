@@ -75,6 +75,10 @@ class LoopSettings:
     batch_max: int | None = None
     chunk: int = 2000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
+    # How long after a message was fetched, or after its timestamp, any message appended to a
+    # caught-up input before it has surely been fetched too (more than a fetch round trip): until
+    # then the merge does not take it past what that input may still deliver. 0: it does not wait.
+    order_grace_ms: int = 20
     expiry_tick_ms: int = 25  # between expiry sweeps
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
@@ -97,6 +101,7 @@ class LoopSettings:
             guarantee=guarantee,
             batch_max=positive_env("KSOW_BATCH_MAX"),
             max_idle_ms=positive_env("KSOW_MAX_TASK_IDLE_MS", int, cls.max_idle_ms),
+            order_grace_ms=positive_env("KSOW_ORDER_GRACE_MS", int, cls.order_grace_ms, zero=True),
             max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
             session_timeout_ms=positive_env("KSOW_SESSION_TIMEOUT_MS", int, cls.session_timeout_ms),
             transaction_timeout_ms=positive_env("KSOW_TRANSACTION_TIMEOUT_MS", int, cls.transaction_timeout_ms),
@@ -138,6 +143,7 @@ def _kill(step: str) -> None:
 
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
+_AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
 
 
 @dataclass
@@ -296,11 +302,16 @@ class SowLoop:
         self._paused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._next_sweep = 0.0
-        timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
-        self.batch_max = self.settings.batch_max or (20_000 if timed else 50_000)
+        self._timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
+        self.batch_max = self.settings.batch_max or (20_000 if self._timed else 50_000)
         self._in_txn = False
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
+        # Order grace: per SOW topic, (when, largest sort time filed by then) for each consume, and the
+        # largest sort time filed at least the grace ago (what a caught-up input's next message follows).
+        self._filings: dict[str, deque] = {}
+        self._settled: dict[str, int] = {}
+        self._release_at = 0.0  # monotonic instant the grace frees an entry the merge held (0: none held)
         self.transactional_id = f"ksow-{group}-{instance}"
         membership = {"group.instance.id": self.transactional_id} if self.settings.static_membership else {}
         self.consumer = make_consumer(
@@ -446,11 +457,17 @@ class SowLoop:
 
     # the cycle ------------------------------------------------------------------------------
     def cycle(self) -> None:
-        # consume() waits its whole timeout to fill a batch: 50 ms gathers the fetch responses of
-        # inputs sent together, so they are merged in timestamp order. Waiting only until the next
-        # sweep (~25 ms) halved the idle expiry lateness but split such pairs across cycles, where
-        # an input that had been caught up is not waited for (test_exactly_once failed on it).
-        messages = self.consumer.consume(self.batch_max, 0.05)
+        # consume() waits its whole timeout to fill a batch (it returns early only with a full one):
+        # at most 50 ms, less when the next expiry sweep or the end of an order grace comes first.
+        # Inputs sent together may still be split across cycles: the order grace keeps them in order.
+        wait = 0.05
+        mono = time.monotonic()
+        if self._timed:
+            wait = min(wait, max(0.001, self._next_sweep - mono))
+        if self._release_at:
+            wait = min(wait, max(0.001, self._release_at - mono))
+            self._release_at = 0.0
+        messages = self.consumer.consume(self.batch_max, wait)
         if messages:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
@@ -493,6 +510,16 @@ class SowLoop:
                 task.tops[rank] = top = ts
             task.queues[rank].append((top, rank, task.p, msg.offset(), msg))
             task.at_end[rank] = False
+        if self.settings.order_grace_ms:
+            mono = time.monotonic()
+            tops: dict[str, int] = {}
+            for task in self.tasks.values():
+                topic = task.engine.spec.topic
+                tops[topic] = max(tops.get(topic, 0), *task.tops)
+            for topic, top in tops.items():
+                marks = self._filings.setdefault(topic, deque())
+                if not marks or top > marks[-1][1]:
+                    marks.append((mono, top))
 
     def _apply(self, engine: SowTopicEngine, out: list, offsets: dict) -> int:
         """Apply, in timestamp order, what can be applied of the inputs of one SOW topic."""
@@ -503,13 +530,18 @@ class SowLoop:
         if not any(queues):
             self._waiting_since.pop(engine.spec.topic, None)
             return 0
-        behind = [not e for t in tasks for e in t.at_end]
+        # A paused input is not fetched: it may be behind whatever its end-of-partition said.
+        paused = self._paused
+        behind = [not e or tp in paused for t in tasks for e, tp in zip(t.at_end, t.inputs)]
         topic = engine.spec.topic
         since = self._waiting_since.get(topic)
         force = since is not None and (time.monotonic() - since) * 1000 >= self.settings.max_idle_ms
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
-        batch = drain_in_order(queues, behind, force)
+        caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
+        batch = drain_in_order(queues, behind, force, caught_up)
+        if caught_up is not None and any(queues):
+            self._hold(topic, queues)
         if not batch:  # blocked: an input that is behind may still hold older entries; the wait starts now
             self._waiting_since.setdefault(topic, time.monotonic())
             return 0
@@ -531,6 +563,38 @@ class SowLoop:
         if _KILLS:
             _kill("apply")
         return len(inputs)
+
+    def _caught_up_bounds(self, topic: str, tasks: list[Task]) -> list[tuple]:
+        """For each input of a SOW topic, a sort key its messages not fetched yet will follow, were it
+        caught up (drain_in_order uses it for the inputs that are): its last entry, and past the grace
+        both the largest sort time filed that long ago and the clock minus the grace (a message
+        appended since has a later timestamp, as the broker stamps them: `timestamps: arrival`)."""
+        grace = self.settings.order_grace_ms
+        marks = self._filings.get(topic)
+        settled = self._settled.get(topic, 0)
+        if marks:
+            cutoff = time.monotonic() - grace / 1000
+            while marks and marks[0][0] <= cutoff:
+                settled = marks.popleft()[1]
+            self._settled[topic] = settled
+        floor = (max(settled, time.time_ns() // 1_000_000 - grace - 1), _AFTER_ALL)
+        bounds = []
+        for t in tasks:
+            for rank, q in enumerate(t.queues):
+                own = q[-1] if q else (t.tops[rank], rank, t.p, _AFTER_ALL)
+                bounds.append(own if own > floor else floor)
+        return bounds
+
+    def _hold(self, topic: str, queues: list[deque]) -> None:
+        """Entries stay queued: have the next consume return when the grace frees the oldest."""
+        head = min(q[0][0] for q in queues if q)
+        marks = self._filings.get(topic)
+        grace = self.settings.order_grace_ms / 1000
+        release = time.monotonic() + (head + 1 - time.time_ns() / 1_000_000) / 1000 + grace
+        if marks:
+            release = min(release, marks[0][0] + grace)
+        if release > time.monotonic() and (not self._release_at or release < self._release_at):
+            self._release_at = release
 
     def _checkpoint(self, out: "_Batch") -> None:
         """Commit, in the middle of an input that removes many records, what is done so far: its
