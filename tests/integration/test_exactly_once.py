@@ -345,17 +345,24 @@ def test_a_backlog_longer_than_the_max_idle_time_stays_in_order(kafka_bootstrap,
         worker.kill()
 
 
-@pytest.mark.parametrize("step", ["apply", "commit"])
+@pytest.mark.parametrize("step", ["apply", "commit", "consumed"])
 def test_a_stalled_worker_cannot_write_after_its_partitions_moved(kafka_bootstrap, unique_name, tmp_path, step):
-    """SIGSTOP a worker in the middle of a batch (outputs produced, transaction open) for longer than
-    its session timeout; another worker takes its partitions and goes on; SIGCONT it: none of its
-    writes becomes visible, and every output is there exactly once."""
+    """SIGSTOP a worker for longer than its session timeout, in the middle of a batch (outputs
+    produced, transaction open) or between two (`consumed`: it wakes up in a cycle that expires
+    records due while it slept, before its consumer learns that the partitions moved); another worker
+    takes its partitions and goes on; SIGCONT it: none of its writes becomes visible, and every output
+    is there exactly once."""
     path, spec = topology_file(tmp_path, unique_name, expiration="enabled")
     group = f"g-{unique_name}"
     env = {"KSOW_SESSION_TIMEOUT_MS": "6000"}
-    zombie = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "z", "zombie", env={**env, "KSOW_TEST_STOP_AT": f"{step}:1"}).start()
+    # `consumed`: about 2 s of idle cycles (25 ms each) after it started, round 0 applied by then.
+    stop_at = "consumed:80" if step == "consumed" else f"{step}:1"
+    zombie = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "z", "zombie", env={**env, "KSOW_TEST_STOP_AT": stop_at}).start()
     stream = Stream(kafka_bootstrap, spec, seed=3)
-    stream.round(0)  # the zombie stops in the middle of the batch of this round
+    stream.round(0)  # `apply`, `commit`: the zombie stops in the middle of the batch of this round
+    for i in range(40, 46):  # due while the zombie sleeps: its sweep and the heir's would both expire them
+        stream.send({"id": i, "grp": "g", "n": {"a": i, "b": 0}, "v": 0}, headers=[(H.EXPIRATION, b"6s")])
+    stream.producer.flush(30)
     wait_until(lambda: "test switch" in zombie.log(), 60, "the zombie stopped")
     stream.round(1)
     heir = WorkerProcess(kafka_bootstrap, path, group, tmp_path / "h", "heir", env=env).start()
@@ -365,7 +372,8 @@ def test_a_stalled_worker_cannot_write_after_its_partitions_moved(kafka_bootstra
             stream.round(r)
         wait_settled(kafka_bootstrap, spec)
         zombie.signal(signal.SIGCONT)
-        wait_until(lambda: "batch not committed" in zombie.log() or zombie.proc.poll() is not None, 60, "the zombie found it was fenced")
+        # It finds out by a fenced commit, or by the rebalance if it tries none first.
+        wait_until(lambda: "batch not committed" in zombie.log() or zombie.log().count("revoked") or zombie.proc.poll() is not None, 90, "the zombie found it was fenced")
         time.sleep(3)
         wait_settled(kafka_bootstrap, spec)
         assert_exactly_once(kafka_bootstrap, spec)

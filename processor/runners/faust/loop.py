@@ -115,7 +115,7 @@ class LoopSettings:
 
 class _TestSwitch:
     """Test-only: `KSOW_TEST_KILL_AT=step:n` SIGKILLs the worker the n-th time it reaches a step of
-    the batch cycle (apply, produce, commit, store, sweep), and `KSOW_TEST_STOP_AT=step:n` SIGSTOPs
+    the batch cycle (consumed, apply, produce, commit, store, sweep), and `KSOW_TEST_STOP_AT=step:n` SIGSTOPs
     it there (a zombie to be), so tests can prove that no crash or stall loses or repeats anything.
     Unset, a step costs one test of a module constant."""
 
@@ -129,7 +129,9 @@ class _TestSwitch:
             self.left -= 1
             if self.left == 0:
                 log.warning("test switch: signal %d at %s", self.sig, step)
-                os.kill(os.getpid(), self.sig)
+                # At this thread: a signal sent to the process is taken by another thread, and this
+                # one would go on for a moment (far enough to commit the transaction it should hold).
+                signal.pthread_kill(threading.get_ident(), self.sig)
 
 
 _SWITCHES = [s for s in (_TestSwitch(os.environ.get("KSOW_TEST_KILL_AT"), signal.SIGKILL), _TestSwitch(os.environ.get("KSOW_TEST_STOP_AT"), signal.SIGSTOP)) if s.step]
@@ -298,6 +300,9 @@ class SowLoop:
             self._by_input[spec.repartition_topic] = (engine, _RANK_REPARTITION)
         self.tasks: dict[tuple[str, int], Task] = {}
         self._task_of_input: dict[tuple[str, int], tuple[Task, int]] = {}
+        # Owned input partition -> the offset committed for it (by the last commit, or found at
+        # assignment). Every transaction carries them: see `_fencing_offsets`.
+        self._committed: dict[tuple[str, int], int] = {}
         self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, open in case they come back
         self._paused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
@@ -416,6 +421,7 @@ class SowLoop:
             self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
         self._await_previous_owner(new_tasks)
         committed = consumer.committed(partitions, 60) if partitions else []
+        self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
         consumer.assign(committed)
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in committed))
 
@@ -445,6 +451,7 @@ class SowLoop:
         Their stores stay open, parked, in case they come back (then they need no full restore)."""
         for tp in partitions:
             found = self._task_of_input.pop((tp.topic, tp.partition), None)
+            self._committed.pop((tp.topic, tp.partition), None)
             self._paused.discard((tp.topic, tp.partition))
             if found is None:
                 continue
@@ -468,6 +475,8 @@ class SowLoop:
             wait = min(wait, max(0.001, self._release_at - mono))
             self._release_at = 0.0
         messages = self.consumer.consume(self.batch_max, wait)
+        if _KILLS:
+            _kill("consumed")
         if messages:
             self._file(messages)
         if any(not t.restored for t in self.tasks.values()):
@@ -649,9 +658,10 @@ class SowLoop:
                 if not self._in_txn:
                     producer.begin_transaction()
                     self._in_txn = True
-                if offsets:
+                fencing = self._fencing_offsets(offsets, out.sent)
+                if fencing:
                     producer.send_offsets_to_transaction(
-                        [TopicPartition(t, p, o) for (t, p), o in offsets.items()], self.consumer.consumer_group_metadata(), 30
+                        [TopicPartition(t, p, o) for (t, p), o in fencing.items()], self.consumer.consumer_group_metadata(), 30
                     )
                 if _KILLS:
                     producer.flush()
@@ -665,6 +675,7 @@ class SowLoop:
         except KafkaException as exc:
             self._recover(exc)
             return False
+        self._committed.update(offsets)
         if _KILLS:
             _kill("store")
         ends = positions.ends(out.changelog)
@@ -686,6 +697,23 @@ class SowLoop:
             metrics.OUTPUTS.labels(topic).inc(n)
         out.topics.clear()
         return True
+
+    def _fencing_offsets(self, offsets: dict[tuple[str, int], int], sent: int) -> dict[tuple[str, int], int]:
+        """The input offsets a transaction commits: this batch's, and the committed ones of every other
+        owned input partition. A transaction commits only while its consumer's group generation is
+        current (the coordinator checks it with the offsets), so a stalled worker that wakes up and
+        expires records, or restores a partition, before it learns that its partitions moved, cannot
+        commit: a transaction without offsets would not be checked at all. With no offset known yet
+        (nothing committed nor applied since the assignment) an input's low watermark stands in: the
+        consumer starts there anyway."""
+        fencing = {**self._committed, **offsets}
+        if not fencing and sent:
+            for task in self.tasks.values():
+                topic, p = task.inputs[0]
+                low = end_offsets(self.consumer, topic, [p])[p][0]
+                fencing[(topic, p)] = low
+                break
+        return fencing
 
     def _produce_when_room(self, o: Output, callback) -> None:
         while True:
@@ -721,8 +749,10 @@ class SowLoop:
             task.tops = [0, 0, 0]
             task.restored = False  # views' holds and the store are read back before going on
         assigned = self.consumer.assignment()
+        self._committed.clear()
         if assigned:
             committed = self.consumer.committed(assigned, 30)
+            self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
             for tp in committed:
                 tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
                 self.consumer.seek(tp)
