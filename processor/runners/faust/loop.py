@@ -181,10 +181,10 @@ class _Batch:
     its outputs in memory. Never raises: a failure is kept and fails the commit (an input must not
     be blamed for it).
 
-    Under exactly-once a failed delivery fails the commit, so delivery reports are asked for only to
-    learn where the stores' `.sow` records end (_Positions): for the first `.sow` record of each
-    partition in the cycle and one in `_SAMPLE` after that. A Python callback per message cost ~1 us
-    of the loop's ~20 per input."""
+    Where the stores' `.sow` records end (_Positions) is learnt from the reports of the first `.sow`
+    record of each partition in the cycle and one in `_SAMPLE` after that. Under exactly-once a
+    failed delivery fails the commit, so no other report is asked for (a Python callback per message
+    cost ~1 us of the loop's ~20 per input); at-least-once needs one per message to catch failures."""
 
     __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog")
 
@@ -205,8 +205,8 @@ class _Batch:
         if o.changelog:
             tp = (o.topic, o.partition)
             n = self.changelog[tp] = self.changelog.get(tp, 0) + 1
-            if self.failures is None and n > 1 and n % _SAMPLE:
-                callback = None
+            if n > 1 and n % _SAMPLE:
+                callback = self.failures  # None under exactly-once: a failed delivery fails the commit
             else:
                 callback = partial(self.positions.report, n)
         else:
@@ -269,7 +269,7 @@ class _Positions:
 
 
 class _Failures:
-    """Delivery errors of the messages that are not changelog records (at-least-once only)."""
+    """Delivery errors of the messages whose report tells no position (at-least-once only)."""
 
     __slots__ = ("errors",)
 
@@ -336,8 +336,8 @@ class SowLoop:
 
     # producer --------------------------------------------------------------------------------
     def _new_producer(self):
-        if not self.eos:
-            return make_producer(self.bootstrap, **{"message.max.bytes": self.settings.max_message_bytes + 65536})
+        if not self.eos:  # the commit flushes: as below, a longer linger makes fewer, larger requests
+            return make_producer(self.bootstrap, **{"linger.ms": 50, "message.max.bytes": self.settings.max_message_bytes + 65536})
         producer = make_producer(
             self.bootstrap,
             **{
