@@ -421,9 +421,12 @@ class SowLoop:
             self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
         self._await_previous_owner(new_tasks)
         committed = consumer.committed(partitions, 60) if partitions else []
-        self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
+        self._remember_committed(committed)
         consumer.assign(committed)
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in committed))
+
+    def _remember_committed(self, committed: list[TopicPartition]) -> None:
+        self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
 
     def _await_previous_owner(self, tasks: list[Task]) -> None:
         """Wait until no transaction is open on the outputs of these SOW partitions (a read_committed
@@ -650,6 +653,7 @@ class SowLoop:
         not: the batch was aborted and rolled back (`_recover`)."""
         producer = self.producer
         positions, failures = out.positions, out.failures
+        committing = offsets  # under exactly-once, with the offsets that fence a zombie
         started = time.perf_counter()
         try:
             if out.error is not None:
@@ -658,10 +662,10 @@ class SowLoop:
                 if not self._in_txn:
                     producer.begin_transaction()
                     self._in_txn = True
-                fencing = self._fencing_offsets(offsets, out.sent)
-                if fencing:
+                committing = self._fencing_offsets(offsets, out.sent)
+                if committing:
                     producer.send_offsets_to_transaction(
-                        [TopicPartition(t, p, o) for (t, p), o in fencing.items()], self.consumer.consumer_group_metadata(), 30
+                        [TopicPartition(t, p, o) for (t, p), o in committing.items()], self.consumer.consumer_group_metadata(), 30
                     )
                 if _KILLS:
                     producer.flush()
@@ -675,7 +679,7 @@ class SowLoop:
         except KafkaException as exc:
             self._recover(exc)
             return False
-        self._committed.update(offsets)
+        self._committed.update(committing)
         if _KILLS:
             _kill("store")
         ends = positions.ends(out.changelog)
@@ -705,14 +709,12 @@ class SowLoop:
         expires records, or restores a partition, before it learns that its partitions moved, cannot
         commit: a transaction without offsets would not be checked at all. With no offset known yet
         (nothing committed nor applied since the assignment) an input's low watermark stands in: the
-        consumer starts there anyway."""
+        consumer starts there anyway (once committed, it is remembered like any other)."""
         fencing = {**self._committed, **offsets}
-        if not fencing and sent:
-            for task in self.tasks.values():
-                topic, p = task.inputs[0]
-                low = end_offsets(self.consumer, topic, [p])[p][0]
-                fencing[(topic, p)] = low
-                break
+        if fencing or not sent or not self.tasks:
+            return fencing
+        topic, p = next(iter(self.tasks.values())).inputs[0]
+        fencing[(topic, p)] = end_offsets(self.consumer, topic, [p])[p][0]
         return fencing
 
     def _produce_when_room(self, o: Output, callback) -> None:
@@ -752,7 +754,7 @@ class SowLoop:
         self._committed.clear()
         if assigned:
             committed = self.consumer.committed(assigned, 30)
-            self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
+            self._remember_committed(committed)
             for tp in committed:
                 tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
                 self.consumer.seek(tp)
