@@ -67,7 +67,7 @@ class Output:
     rerouted inputs). `changelog` marks `<topic>.sow` records, whose offsets the store remembers."""
 
     topic: str
-    partition: int | None
+    partition: int
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]

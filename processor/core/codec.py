@@ -14,6 +14,7 @@ from processor.contract.errors import InputError
 
 class Codec(Protocol):
     name: str
+    trims_deltas: bool  # whether delta_fields changes anything (the hot path skips the call otherwise)
 
     def decode(self, data: bytes) -> dict: ...
 
@@ -26,6 +27,7 @@ class Codec(Protocol):
 
 class JsonCodec:
     name = "json"
+    trims_deltas = False
 
     def decode(self, data: bytes) -> dict:
         try:
@@ -51,6 +53,7 @@ class AvroCodec:
     """
 
     name = "avro"
+    trims_deltas = True
 
     def __init__(self, schema_path: str | Path):
         import fastavro

@@ -37,33 +37,31 @@ def parse_command(
     codec: Codec,
     default_command: Command,
     value: bytes | None,
-    headers: dict[str, str],
+    headers: dict[str, str] | None,
 ) -> SowCommand:
     """Everything an input message asks for, validated; raises InputError with the reason."""
-    raw_command = headers.get(H.COMMAND)
-    if raw_command is None:
-        command = default_command
-    else:
-        try:
-            command = Command(raw_command.strip().lower())
-        except ValueError:
-            raise InputError(f"unknown sow-command {raw_command!r} (publish, delta_publish or sow_delete)") from None
-
-    expiration_ms = None
-    if H.EXPIRATION in headers:
-        try:
-            expiration_ms = parse_duration_ms(headers[H.EXPIRATION])
-        except DurationError as exc:
-            raise InputError(f"bad sow-expiration header: {exc}") from None
-
-    header_key = headers.get(H.KEY)
+    command = default_command
+    expiration_ms = header_key = None
+    if headers:  # most inputs carry none: no look-ups then
+        raw_command = headers.get(H.COMMAND)
+        if raw_command is not None:
+            try:
+                command = Command(raw_command.strip().lower())
+            except ValueError:
+                raise InputError(f"unknown sow-command {raw_command!r} (publish, delta_publish or sow_delete)") from None
+        if H.EXPIRATION in headers:
+            try:
+                expiration_ms = parse_duration_ms(headers[H.EXPIRATION])
+            except DurationError as exc:
+                raise InputError(f"bad sow-expiration header: {exc}") from None
+        header_key = headers.get(H.KEY)
     try:
         if command is Command.SOW_DELETE:
-            return _parse_delete(keys, codec, value, headers, header_key)
+            return _parse_delete(keys, codec, value, headers or {}, header_key)
         if value is None:
             raise InputError(f"{command.value} has no value (a tombstone is not a record; use sow_delete)")
         record = codec.decode(value)
-        if command is Command.DELTA_PUBLISH:
+        if command is Command.DELTA_PUBLISH and codec.trims_deltas:
             record = codec.delta_fields(record)
         return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms)
     except KeyError_ as exc:

@@ -35,6 +35,9 @@ class ExpiryPolicy:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        # The lifetime of a record published without a lifetime of its own: worked out once, as
+        # every publish without a sow-expiration header asks for it.
+        object.__setattr__(self, "_default_lifetime", self.lifetime_ms(None))
 
     @property
     def active(self) -> bool:
@@ -64,7 +67,7 @@ class ExpiryPolicy:
 
     def expires_at(self, now_ms: int, message_ms: int | None) -> int | None:
         """Epoch ms at which a record applied at `now_ms` expires (every update starts anew)."""
-        lifetime = self.lifetime_ms(message_ms)
+        lifetime = self._default_lifetime if message_ms is None else self.lifetime_ms(message_ms)
         return None if lifetime is None else now_ms + lifetime
 
     def is_live(self, expires_at: int | None, now_ms: int) -> bool:

@@ -73,8 +73,31 @@ class KeySpec:
             values.append(value)
         return values
 
+    @cached_property
+    def _single_field(self) -> str | None:
+        """The field name when the key is one top-level field (the common case), else None."""
+        return self.split[0][0] if len(self.split) == 1 and len(self.split[0]) == 1 else None
+
+    @cached_property
+    def _recent(self) -> dict:
+        """SowKeys of recent one-field key values of exact type str or int (whose texts are the
+        values themselves: 5 and "5" share a key, and True or 5.0 never land here)."""
+        return {}
+
     def sow_key(self, record: dict | None, header_key: str | None = None) -> SowKey:
         """The SowKey of a message: from its key fields, or from the publisher's `sow-key`."""
+        field = self._single_field
+        if field is not None and type(record) is dict:  # the hot path of every input
+            value = record.get(field)
+            kind = type(value)
+            if kind is str or kind is int:
+                recent = self._recent
+                key = recent.get(value)
+                if key is None:
+                    if len(recent) >= _RECENT_KEYS:
+                        recent.clear()
+                    key = recent[value] = _checksum(self.domain, (key_text(value),))
+                return key
         if self.user_keys:
             if not header_key:
                 raise KeyError_("topic has no key fields: publisher must send a sow-key header")
@@ -88,6 +111,7 @@ class KeySpec:
         return _checksum(self.domain, tuple([key_text(v) for v in values]))
 
 
+_RECENT_KEYS = 1 << 17  # one-field key values remembered per topic (cleared whole past that)
 KEY_FORMAT = 2  # the SowKey rule of this module (see the module docstring)
 _EXACT_INT = 2**53  # floats below this magnitude hold every integer exactly
 

@@ -18,6 +18,8 @@ from processor.core.sow import Transition
 from processor.topology import SowTopic
 
 _OP_BYTES = {op: op.value.encode() for op in Op}
+_KEY, _OP, _SEQ, _EXPIRES_AT = H.KEY, H.OP, H.SEQ, H.EXPIRES_AT
+_INSERT, _UPDATE = (H.OP, b"insert"), (H.OP, b"update")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +59,14 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
     """
     key = t.key.encode()
     after = t.after
-    if after is not None:
-        headers = _headers(t, key, after.expires_at)
-        value = codec.encode(after.data)
+    if after is not None:  # a write: the hot path of every input, hence inline
+        headers = [(_KEY, key), _INSERT if t.before is None else _UPDATE, (_SEQ, b"%d" % t.seq)]
+        if after.expires_at is not None:
+            headers.append((_EXPIRES_AT, b"%d" % after.expires_at))
         if codec.name == "json":
-            after.json = value
+            value = after.json = orjson.dumps(after.data)
+        else:
+            value = codec.encode(after.data)
         if not stored:
             if max_bytes and len(value) > max_bytes:
                 _too_large(t, streams.diff, len(value), max_bytes)

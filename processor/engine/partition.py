@@ -91,6 +91,7 @@ class SowPartition:
         self.codec = codec
         self.listeners = tuple(listeners)
         self.policy = spec.expiry
+        self.expiring = spec.expiry.active
         self.key_paths = spec.key_spec.split
         self.streams = Streams.of(spec)
         self.stored = spec.persistence is not Persistence.TRANSIENT
@@ -126,20 +127,24 @@ class SowPartition:
         key = cmd.sow_key
         assert key is not None
         state = self.state
-        before = state.get(key) if self.stored else None
-        if before is not None and self.policy.active and is_due(before.expires_at, now):
-            # Its instant passed before this write came: it expired first, and the write starts anew.
-            state.remove(key)
-            self._emit(removal(Op.EXPIRE, key, before, now, self.next_seq(now)), out)
-            before = None
-        if before is None and self.capacity and self.stored:
+        stored = self.stored
+        before = state.get(key) if stored else None
+        if before is not None:
+            if self.expiring and is_due(before.expires_at, now):
+                # Its instant passed before this write came: it expired first, and the write starts anew.
+                state.remove(key)
+                self._emit(removal(Op.EXPIRE, key, before, now, self.next_seq(now)), out)
+                before = None
+        if before is None and self.capacity and stored:
             self._make_room(now, out)
         t = apply_write(key, before, cmd, self.policy, self.key_paths, published, self.next_seq(now))
-        if out is not None:
-            self._emit_checked(t, out)
-        else:  # the caller keeps transitions, not messages (the reference fold): nothing to encode
-            self._emit(t, out)
-        if self.stored:
+        if out is not None:  # else the caller keeps transitions, not messages (the reference fold)
+            # Refused (InputError, nothing emitted) when the record or its diff is over the size a
+            # Kafka message may have.
+            render(t, self.p, self.codec, self.streams, out, stored, self.max_bytes)
+        for listener in self.listeners:
+            listener.on_change(self.p, t, out)
+        if stored:
             state.put(key, t.after)  # type: ignore[arg-type]
 
     def _make_room(self, now: int, out: list) -> None:
@@ -227,13 +232,6 @@ class SowPartition:
             out.append(Output(sow, self.p, kb, encode(record.data), headers, True))
 
     # outputs -----------------------------------------------------------------------
-    def _emit_checked(self, t: Transition, out: list) -> None:
-        """Emit a write's messages, refusing it (InputError, nothing emitted) when its encoded record
-        or diff is over the size a Kafka message may have."""
-        render(t, self.p, self.codec, self.streams, out, self.stored, self.max_bytes)
-        for listener in self.listeners:
-            listener.on_change(self.p, t, out)
-
     def _emit(self, t: Transition, out: list | None) -> None:
         """Render the messages of a transition (out=None: the caller keeps transitions, not messages)."""
         if out is not None:

@@ -31,6 +31,7 @@ log = logging.getLogger("ksow.engine")
 
 # murmur2 is pure Python (~5-10 us a call): SowKeys repeat, so the owners of recent ones are remembered.
 owner_partition = lru_cache(maxsize=1 << 16)(_owner_partition)
+_RECENT_OWNERS = 1 << 17  # SowKeys whose owner an engine remembers (cleared whole past that)
 
 _LOCAL = (H.LOCAL, b"1")
 
@@ -48,6 +49,7 @@ class SowTopicEngine:
         self.inputs = (spec.topic, spec.delta_topic, spec.repartition_topic)
         self.key_paths = spec.key_spec.split
         self.current: InputMessage | None = None  # the input being applied (a runner's checkpoint leaves it out)
+        self._owners: dict[str, int] = {}  # owner partitions of recent SowKeys: one dict look-up per input
         # What a store of this topic keeps beside its records (only topics with a capacity pay for ages).
         self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0)
 
@@ -99,7 +101,7 @@ class SowTopicEngine:
                 default = Command(origin.decode(errors="replace"))
             except ValueError:
                 raise InputError(f"bad {H.ORIGIN} header {origin!r} on {msg.topic}") from None
-        return parse_command(self.spec.key_spec, self.codec, default, msg.value, header_map(msg.headers)), default
+        return parse_command(self.spec.key_spec, self.codec, default, msg.value, header_map(msg.headers) if msg.headers else None), default
 
     def handle_one(self, msg: InputMessage, now: int, out: list) -> None:
         """Apply one input where it belongs: in the partition that owns it when this runner owns that
@@ -108,8 +110,14 @@ class SowTopicEngine:
         published = msg.timestamp or now
         partitions = self.partitions
         n = self.spec.partitions
-        if cmd.sow_key is not None:
-            owner = owner_partition(cmd.sow_key, n)
+        key = cmd.sow_key
+        if key is not None:
+            owners = self._owners
+            owner = owners.get(key)
+            if owner is None:
+                if len(owners) >= _RECENT_OWNERS:
+                    owners.clear()
+                owner = owners[key] = _owner_partition(key, n)
             target = partitions.get(owner)
             if target is None:
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))

@@ -46,6 +46,7 @@ _INT = struct.Struct(">q")
 _NO_EXPIRY = -1
 _END = b"\xff" * 9
 _KEY_FORMAT = "keyformat"
+_ABSENT = object()  # not in a cache (None there means: no such record)
 
 
 class KeyValueBackend(Protocol):
@@ -144,11 +145,11 @@ class PartitionStore:
 
     # reads -----------------------------------------------------------------
     def get(self, key: str) -> SowRecord | None:
-        if key in self._staged:
-            return self._staged[key]
-        if key in self._committed:
-            return self._committed[key]
-        record = self._committed[key] = self._load(key)  # stage() needs it too
+        record = self._staged.get(key, _ABSENT)
+        if record is _ABSENT:
+            record = self._committed.get(key, _ABSENT)
+            if record is _ABSENT:
+                record = self._committed[key] = self._load(key)  # stage() needs it too
         return record
 
     def committed(self, key: str) -> SowRecord | None:
@@ -312,24 +313,27 @@ class PartitionStore:
     # writes ----------------------------------------------------------------
     def stage(self, key: str, record: SowRecord | None) -> None:
         """Put (or with None, remove) a record; visible to get() at once, durable at commit()."""
-        if key not in self._committed:
-            self._committed[key] = self._load(key)
-        previous = self._staged[key] if key in self._staged else self._committed[key]
+        staged = self._staged
+        previous = staged.get(key, _ABSENT)
+        if previous is _ABSENT:
+            previous = self._committed.get(key, _ABSENT)
+            if previous is _ABSENT:
+                previous = self._committed[key] = self._load(key)
         self._size_delta += (record is not None) - (previous is not None)
-        self._staged[key] = record
+        staged[key] = record
 
     def set_meta(self, name: str, value: int) -> None:
         self._meta[name] = value
 
     # the engine's PartitionState (processor.engine.partition) ----------------------
-    def put(self, key: str, record: SowRecord) -> None:
-        self.stage(key, record)
+    put = stage
 
     def remove(self, key: str) -> None:
         self.stage(key, None)
 
     def counter(self) -> int:
-        return self.meta("counter")
+        value = self._meta.get("counter")  # staged by every change of a batch but its first
+        return self.meta("counter") if value is None else value
 
     def set_counter(self, value: int) -> None:
         self._meta["counter"] = value

@@ -186,7 +186,7 @@ class _Batch:
     failed delivery fails the commit, so no other report is asked for (a Python callback per message
     cost ~1 us of the loop's ~20 per input); at-least-once needs one per message to catch failures."""
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog")
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog", "reported")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
@@ -194,29 +194,34 @@ class _Batch:
         self.positions = _Positions()
         self.failures = None if loop.eos else _Failures()
         self.sent = 0
-        self.topics: Counter = Counter()  # outputs per topic, for the metrics
+        self.topics: dict[str, int] = {}  # outputs per topic but `.sow` records (`changelog`), for the metrics
         self.error: KafkaException | None = None  # the first produce failure: the commit raises it
-        self.changelog: dict[tuple[str, int | None], int] = {}  # `.sow` records produced per partition
+        self.changelog: dict[tuple[str, int], int] = {}  # `.sow` records produced per partition
+        self.reported: dict[tuple[str, int], int] = {}  # of which the metrics were told (take_counts)
 
     def append(self, o: Output) -> None:
         if self.error is not None:
             return
-        loop = self.loop
-        if o.changelog:
-            tp = (o.topic, o.partition)
-            n = self.changelog[tp] = self.changelog.get(tp, 0) + 1
+        topic = o.topic
+        if o.changelog:  # counted per partition (the metrics sum them)
+            tp = (topic, o.partition)
+            counts = self.changelog
+            n = counts[tp] = counts.get(tp, 0) + 1
             if n > 1 and n % _SAMPLE:
                 callback = self.failures  # None under exactly-once: a failed delivery fails the commit
             else:
                 callback = partial(self.positions.report, n)
         else:
             callback = self.failures
+            topics = self.topics
+            topics[topic] = topics.get(topic, 0) + 1
+        loop = self.loop
         try:
             if not loop._in_txn and loop.eos:
                 loop.producer.begin_transaction()
                 loop._in_txn = True
             try:
-                self.produce(o.topic, o.value, o.key, -1 if o.partition is None else o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+                self.produce(topic, o.value, o.key, o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
             except BufferError:
                 loop._produce_when_room(o, callback)
             except KafkaException as exc:
@@ -227,10 +232,19 @@ class _Batch:
             self.error = exc
             return
         self.sent += 1
-        self.topics[o.topic] += 1
         if _KILLS and self.sent % 50 == 25:  # tests: a crash with part of the outputs on the broker
             loop.producer.flush()
             _kill("produce")
+
+    def take_counts(self) -> dict[str, int]:
+        """Outputs per topic since the last call (the metrics of a commit; a checkpoint is one)."""
+        counts, self.topics = self.topics, {}
+        reported = self.reported
+        for tp, n in self.changelog.items():
+            if n > reported.get(tp, 0):
+                counts[tp[0]] = counts.get(tp[0], 0) + n - reported.get(tp, 0)
+        self.reported = dict(self.changelog)
+        return counts
 
     def checkpoint(self) -> None:
         self.loop._checkpoint(self)
@@ -512,7 +526,8 @@ class SowLoop:
                 else:
                     log.warning("consumer: %s", err)
                 continue
-            found = task_of.get((msg.topic(), msg.partition()))
+            topic, p = msg.topic(), msg.partition()
+            found = task_of.get((topic, p))
             if found is None:
                 continue  # a partition revoked meanwhile
             task, rank = found
@@ -520,7 +535,8 @@ class SowLoop:
             top = task.tops[rank]
             if ts > top:
                 task.tops[rank] = top = ts
-            task.queues[rank].append((top, rank, task.p, msg.offset(), msg))
+            offset = msg.offset()
+            task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
             task.at_end[rank] = False
         if self.settings.order_grace_ms:
             mono = time.monotonic()
@@ -560,7 +576,7 @@ class SowLoop:
         # Progress resets the wait: it bounds how long the merge is stuck, not how long some input
         # has been empty (during a long backlog the bounding input is emptied by every drain).
         self._waiting_since.pop(topic, None)
-        inputs = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in batch]
+        inputs = batch
         step = self.settings.chunk
         for start in range(0, len(inputs), step):
             # The expiry clock is looked at before every chunk: the first one comes after a commit,
@@ -697,9 +713,8 @@ class SowLoop:
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         for topic, n in applied.items():
             metrics.INPUTS.labels(topic).inc(n)
-        for topic, n in out.topics.items():
+        for topic, n in out.take_counts().items():
             metrics.OUTPUTS.labels(topic).inc(n)
-        out.topics.clear()
         return True
 
     def _fencing_offsets(self, offsets: dict[tuple[str, int], int], sent: int) -> dict[tuple[str, int], int]:
