@@ -46,5 +46,4 @@ def apply_write(
 
 def removal(op: Op, key: str, before: SowRecord, now_ms: int, seq: int) -> Transition:
     """A delete, expire or evict of an existing record."""
-    assert op.removes
     return Transition(op, key, seq, before, None, None, now_ms)

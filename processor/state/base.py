@@ -95,12 +95,39 @@ def encode_record(record: SowRecord) -> bytes:
     return _HEADER.pack(record.seq, expires, record.updated_at) + (orjson.dumps(record.data) if data is None else data)
 
 
+_DATA = SowRecord.__dict__["data"]  # the slot behind SowRecord.data
+
+
+class StoredRecord(SowRecord):
+    """A record read from a store: its data is decoded from the stored JSON when first asked for.
+    A record that is only expired or deleted (its last version goes out as the stored bytes) and
+    that no view looks at is never decoded."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def data(self) -> dict:
+        data = _DATA.__get__(self)
+        if data is None:
+            data = orjson.loads(self.json)
+            _DATA.__set__(self, data)
+        return data
+
+    @data.setter
+    def data(self, value: dict | None) -> None:
+        _DATA.__set__(self, value)
+
+    def __eq__(self, other: object) -> bool:  # the same value as a SowRecord with the same fields
+        if not isinstance(other, SowRecord):
+            return NotImplemented
+        return (self.data, self.seq, self.expires_at, self.updated_at) == (other.data, other.seq, other.expires_at, other.updated_at)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
     seq, expires, updated = _HEADER.unpack_from(raw)
-    body = raw[_HEADER.size :]
-    if data is None:
-        data = orjson.loads(body)
-    return SowRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated, body)
+    return StoredRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated, raw[_HEADER.size :])
 
 
 def index_value_hash(values: tuple) -> bytes:
