@@ -7,6 +7,7 @@ byte for byte the same whichever engine wrote them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import orjson
 
@@ -47,15 +48,32 @@ def _headers(t: Transition, key: bytes, expires_at: int | None) -> list[tuple[st
     return headers
 
 
-def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, stored: bool = True, max_bytes: int = 0) -> None:
-    """Append the messages that tell the world about one transition of partition p.
+Send = Callable[..., None]  # send(topic, partition, key, value, headers, changelog=False, timestamp=0)
+
+
+def sender(out) -> Send:
+    """How messages go into `out`: a runner's buffer that produces them at once has `send` (no
+    Output object a message on the hot path); a list collects them as Outputs."""
+    send = getattr(out, "send", None)
+    if send is not None:
+        return send
+    append = out.append
+
+    def collect(topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list, changelog: bool = False, timestamp: int = 0) -> None:
+        append(Output(topic, partition, key, value, headers, changelog, timestamp))
+
+    return collect
+
+
+def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, stored: bool = True, max_bytes: int = 0) -> None:
+    """Send the messages that tell the world about one transition of partition p (`sender`).
 
     A write puts the merged record on `.sow` and the diff on `.diff`; a removal puts a tombstone on
     `.sow` and the last record on `.diff`, and for expire/evict also on `EXP.`/`.dead`. When nothing
     is stored (`transient` topics), a write is relayed whole on `.diff` and `.sow` is not written.
 
     With `max_bytes`, a write whose record or diff would be larger raises InputError before anything
-    is appended (`out` may be a runner's buffer that produces as it is given messages).
+    is sent (a runner's buffer produces what it is given at once).
     """
     key = t.key.encode()
     after = t.after
@@ -70,7 +88,7 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
         if not stored:
             if max_bytes and len(value) > max_bytes:
                 _too_large(t, streams.diff, len(value), max_bytes)
-            out.append(Output(streams.diff, p, key, value, headers))
+            send(streams.diff, p, key, value, headers)
             return
         changes = orjson.dumps(t.changes)
         if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
@@ -78,19 +96,19 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, out: list, sto
             _too_large(t, topic, big, max_bytes)
         # The `.sow` record carries the instant of the change, so a store restored from it knows
         # when each record last changed (a rerouted delete keeps what changed after it).
-        out.append(Output(streams.sow, p, key, value, headers, True, after.updated_at))
-        out.append(Output(streams.diff, p, key, changes, headers))
+        send(streams.sow, p, key, value, headers, True, after.updated_at)
+        send(streams.diff, p, key, changes, headers)
         return
     before = t.before
     assert before is not None
     headers = _headers(t, key, before.expires_at)
     last = before.json if before.json is not None and codec.name == "json" else codec.encode(before.data)
-    out.append(Output(streams.sow, p, key, None, headers, True))
-    out.append(Output(streams.diff, p, key, last, headers))
+    send(streams.sow, p, key, None, headers, True)
+    send(streams.diff, p, key, last, headers)
     if t.op is Op.EXPIRE:
-        out.append(Output(streams.expired or streams.dead, p, key, last, headers))
+        send(streams.expired or streams.dead, p, key, last, headers)
     elif t.op is Op.EVICT:
-        out.append(Output(streams.dead, p, key, last, headers))
+        send(streams.dead, p, key, last, headers)
 
 
 def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:

@@ -23,7 +23,7 @@ from processor.core.expiry import is_due
 from processor.core.filters import compile_filter
 from processor.core.keys import owner_partition
 from processor.core.sow import Transition, apply_write, removal
-from processor.engine.outputs import Streams, render
+from processor.engine.outputs import Send, Streams, render, sender
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
@@ -99,6 +99,8 @@ class SowPartition:
         # Capacity is split evenly over the partitions, so the topic never holds more than `capacity`.
         self.capacity = capacity // n + (1 if p < capacity % n else 0) if capacity else 0
         self.max_bytes = max_record_bytes()
+        self._out: object = None  # the output buffer `_send` sends into
+        self._send: Send | None = None
         self.delete_chunk = delete_chunk()
 
     # event IDs ---------------------------------------------------------------------
@@ -141,7 +143,7 @@ class SowPartition:
         if out is not None:  # else the caller keeps transitions, not messages (the reference fold)
             # Refused (InputError, nothing emitted) when the record or its diff is over the size a
             # Kafka message may have.
-            render(t, self.p, self.codec, self.streams, out, stored, self.max_bytes)
+            render(t, self.p, self.codec, self.streams, self._sender(out), stored, self.max_bytes)
         for listener in self.listeners:
             listener.on_change(self.p, t, out)
         if stored:
@@ -232,10 +234,16 @@ class SowPartition:
             out.append(Output(sow, self.p, kb, encode(record.data), headers, True))
 
     # outputs -----------------------------------------------------------------------
+    def _sender(self, out) -> Send:
+        """`sender(out)`, worked out once for each output buffer a runner hands in."""
+        if out is not self._out:
+            self._out, self._send = out, sender(out)
+        return self._send
+
     def _emit(self, t: Transition, out: list | None) -> None:
         """Render the messages of a transition (out=None: the caller keeps transitions, not messages)."""
         if out is not None:
-            render(t, self.p, self.codec, self.streams, out, self.stored)
+            render(t, self.p, self.codec, self.streams, self._sender(out), self.stored)
         for listener in self.listeners:
             listener.on_change(self.p, t, out)
 

@@ -13,8 +13,9 @@ Everything SOW-specific lives here, once, for every backend:
 
 Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
 batch, so a crash leaves the store at a consistent changelog position. Records read or committed
-stay decoded in a bounded cache (`CACHE_RECORDS`) for the runner's next batches: updates of the same
-records, the common case, then cost no RocksDB read and no decoding.
+stay in a bounded cache (`CACHE_RECORDS`) for the runner's next batches: updates of the same
+records, the common case, then cost no RocksDB read and no decoding. A record read from RocksDB is
+decoded only when its data is first asked for (`StoredRecord`): expiring it needs only its bytes.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from processor.contract import headers as H
 from processor.contract.types import InputMessage
 from processor.engine.fold import SowFold, in_order
-from processor.engine.outputs import Streams, render
+from processor.engine.outputs import Streams, render, sender
 from processor.kafka.clients import ensure_topics, make_admin, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
@@ -53,9 +53,9 @@ def expected_events(spec, inputs, now) -> tuple[dict, dict]:
     outputs: list = []
     for msg in inputs:
         for t in fold.apply(msg):
-            render(t, 0, fold.codec, streams, outputs)
+            render(t, 0, fold.codec, streams, sender(outputs))
     for t in fold.expire_until(now):
-        render(t, 0, fold.codec, streams, outputs)
+        render(t, 0, fold.codec, streams, sender(outputs))
     per_key: dict = defaultdict(list)
     for o in outputs:
         hs = dict(o.headers)

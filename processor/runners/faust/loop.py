@@ -200,11 +200,16 @@ class _Batch:
         self.reported: dict[tuple[str, int], int] = {}  # of which the metrics were told (take_counts)
 
     def append(self, o: Output) -> None:
+        self.send(o.topic, o.partition, o.key, o.value, o.headers, o.changelog, o.timestamp)
+
+    def send(self, topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list,
+             changelog: bool = False, timestamp: int = 0) -> None:
+        """Produce one message into the cycle's transaction (the engine's renderer calls this
+        directly: processor.engine.outputs.sender)."""
         if self.error is not None:
             return
-        topic = o.topic
-        if o.changelog:  # counted per partition (the metrics sum them)
-            tp = (topic, o.partition)
+        if changelog:  # counted per partition (the metrics sum them)
+            tp = (topic, partition)
             counts = self.changelog
             n = counts[tp] = counts.get(tp, 0) + 1
             if n > 1 and n % _SAMPLE:
@@ -221,13 +226,13 @@ class _Batch:
                 loop.producer.begin_transaction()
                 loop._in_txn = True
             try:
-                self.produce(topic, o.value, o.key, o.partition, on_delivery=callback, timestamp=o.timestamp, headers=o.headers)
+                self.produce(topic, value, key, partition, on_delivery=callback, timestamp=timestamp, headers=headers)
             except BufferError:
-                loop._produce_when_room(o, callback)
+                loop._produce_when_room(Output(topic, partition, key, value, headers, changelog, timestamp), callback)
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
                     raise
-                loop._produce_when_room(_too_large(o, loop.settings.max_message_bytes), callback)
+                loop._produce_when_room(_too_large(Output(topic, partition, key, value, headers), loop.settings.max_message_bytes), callback)
         except KafkaException as exc:
             self.error = exc
             return
