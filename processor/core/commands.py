@@ -13,6 +13,8 @@ from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.filters import FilterError, compile_filter
 from processor.core.keys import KeyError_, KeySpec, validate_user_key
 
+_SOW_DELETE, _DELTA_PUBLISH = Command.SOW_DELETE, Command.DELTA_PUBLISH  # a global: looking a member up on its Enum class costs ~8x as much, on every input
+
 
 def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dict[str, str]:
     """Input headers as text; later duplicates win. Undecodable ksow headers are input errors."""
@@ -56,12 +58,12 @@ def parse_command(
                 raise InputError(f"bad sow-expiration header: {exc}") from None
         header_key = headers.get(H.KEY)
     try:
-        if command is Command.SOW_DELETE:
+        if command is _SOW_DELETE:
             return _parse_delete(keys, codec, value, headers or {}, header_key)
         if value is None:
             raise InputError(f"{command.value} has no value (a tombstone is not a record; use sow_delete)")
         record = codec.decode(value)
-        if command is Command.DELTA_PUBLISH and codec.trims_deltas:
+        if command is _DELTA_PUBLISH and codec.trims_deltas:
             record = codec.delta_fields(record)
         return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms)
     except KeyError_ as exc:

@@ -12,6 +12,8 @@ from processor.contract.types import Command, Op, SowCommand, SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.merge import diff, merge
 
+_DELTA_PUBLISH, _INSERT, _UPDATE = Command.DELTA_PUBLISH, Op.INSERT, Op.UPDATE  # a global: looking a member up on its Enum class costs ~8x as much, on every input
+
 
 @dataclass(slots=True)
 class Transition:
@@ -35,13 +37,13 @@ def apply_write(
 ) -> Transition:
     """A publish or delta publish: merge, diff, and a fresh lifetime (every update starts anew)."""
     assert command.data is not None
-    if command.command is Command.DELTA_PUBLISH and before is not None:
+    if command.command is _DELTA_PUBLISH and before is not None:
         data = merge(before.data, command.data)
     else:
         data = command.data
     after = SowRecord(data, seq, policy.expires_at(now_ms, command.expiration_ms), now_ms)
     changes = diff(before.data if before else None, data, key_paths)
-    return Transition(Op.UPDATE if before else Op.INSERT, key, seq, before, after, changes, now_ms)
+    return Transition(_UPDATE if before is not None else _INSERT, key, seq, before, after, changes, now_ms)
 
 
 def removal(op: Op, key: str, before: SowRecord, now_ms: int, seq: int) -> Transition:

@@ -21,6 +21,7 @@ from processor.topology import SowTopic
 _OP_BYTES = {op: op.value.encode() for op in Op}
 _KEY, _OP, _SEQ, _EXPIRES_AT = H.KEY, H.OP, H.SEQ, H.EXPIRES_AT
 _INSERT, _UPDATE = (H.OP, b"insert"), (H.OP, b"update")
+_EXPIRE, _EVICT = Op.EXPIRE, Op.EVICT  # globals: looking a member up on its Enum class costs ~8x as much
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ def _headers(t: Transition, key: bytes, expires_at: int | None) -> list[tuple[st
     headers = [(H.KEY, key), (H.OP, _OP_BYTES[t.op]), (H.SEQ, b"%d" % t.seq)]
     if expires_at is not None:
         headers.append((H.EXPIRES_AT, b"%d" % expires_at))
-    if t.op is Op.EXPIRE:
+    if t.op is _EXPIRE:
         headers.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
     return headers
 
@@ -105,9 +106,9 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
     last = before.json if before.json is not None and codec.name == "json" else codec.encode(before.data)
     send(streams.sow, p, key, None, headers, True)
     send(streams.diff, p, key, last, headers)
-    if t.op is Op.EXPIRE:
+    if t.op is _EXPIRE:
         send(streams.expired or streams.dead, p, key, last, headers)
-    elif t.op is Op.EVICT:
+    elif t.op is _EVICT:
         send(streams.dead, p, key, last, headers)
 
 

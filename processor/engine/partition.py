@@ -26,6 +26,7 @@ from processor.core.sow import Transition, apply_write, removal
 from processor.engine.outputs import Send, Streams, render, sender
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
+_SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: looking a member up on its Enum class costs ~8x as much, on every input
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
 
 
@@ -119,7 +120,7 @@ class SowPartition:
     def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
         """Apply one command owned by this partition. `published` is the instant a lifetime counts
         from, `now` the clock that decides what has expired. Raises InputError when refused."""
-        if cmd.command is Command.SOW_DELETE:
+        if cmd.command is _SOW_DELETE:
             self.delete(cmd, now, out)
         else:
             self.write(cmd, published, now, out)
@@ -211,7 +212,7 @@ class SowPartition:
             if record is None or record.expires_at != at:
                 continue  # updated or deleted since
             state.remove(key)
-            self._emit(removal(Op.EXPIRE, key, record, now, self.next_seq(now)), out)
+            self._emit(removal(_EXPIRE, key, record, now, self.next_seq(now)), out)
             expired += 1
         return expired
 
