@@ -4,7 +4,9 @@ The backend only has to keep ordered bytes and commit a batch atomically (`KeyVa
 Everything SOW-specific lives here, once, for every backend:
 
   r<SowKey>                        -> record (seq, expires_at, updated_at, data)
-  x<expires_at:be64><SowKey>       -> ''      expiry index: each tick reads only what is due
+  x<expires_at:be64><SowKey>       -> record  expiry index: each tick reads only what is due, and the
+                                              record with it (no point read per expiry; '' in
+                                              stores written before it carried the record)
   v<seq:be64><SowKey>              -> ''      age index: capacity evicts the least recently updated (event
                                               IDs order a partition's changes; `u<updated_at>` before)
   i<index#><values hash><SowKey>   -> ''      hash indexes: equality queries without a scan
@@ -302,16 +304,23 @@ class PartitionStore:
 
         Within a batch, an entry the caller went past (it asked for the next one) was handled:
         expired, or found stale. The batch's next sweeps start after it (`_due_seek`) instead of
-        reading again every entry the batch already expired (their removal is only staged)."""
+        reading again every entry the batch already expired (their removal is only staged).
+
+        A committed entry carries its record as committed (an update replaces or removes the entry
+        in the same commit): it goes into the cache, so the caller's get() reads nothing more."""
         stop = _EXP + _BE64.pack(now_ms + 1)
         seek = self._due_seek
+        staged, committed = self._staged, self._committed
         found = False
-        for k, _ in self.backend.scan(_EXP + _BE64.pack(self._due_from) if seek is None else seek, stop):
+        for k, raw in self.backend.scan(_EXP + _BE64.pack(self._due_from) if seek is None else seek, stop):
             at = _BE64.unpack_from(k, 1)[0]
             if not found and seek is None:  # the oldest committed entry: nothing lies before it
                 self._due_from = at
             found = True
-            yield at, k[9:].decode()
+            key = k[9:].decode()
+            if raw and key not in staged and key not in committed:
+                committed[key] = decode_record(raw)
+            yield at, key
             self._due_seek = k + b"\x00"
         if not found and seek is None:
             self._due_from = now_ms + 1
@@ -384,9 +393,9 @@ class PartitionStore:
                     self._unindex(writes, kb, before)
                 count -= 1
             if after is not None:
-                writes[_REC + kb] = encode_record(after)
+                raw = writes[_REC + kb] = encode_record(after)
                 if not plain or after.expires_at is not None:
-                    self._index(writes, kb, after)
+                    self._index(writes, kb, after, raw)
                     if after.expires_at is not None:
                         instant = _instant(after.expires_at)
                         if instant < self._due_from:
@@ -429,9 +438,9 @@ class PartitionStore:
             for combo in set(itertools.product(*keys)):
                 yield _IDX + bytes([no]) + index_value_hash(combo) + kb
 
-    def _index(self, writes: dict, kb: bytes, record: SowRecord) -> None:
+    def _index(self, writes: dict, kb: bytes, record: SowRecord, raw: bytes) -> None:
         for entry in self._entries(kb, record):
-            writes[entry] = b""
+            writes[entry] = raw if entry.startswith(_EXP) else b""  # the expiry entry carries the record
 
     def _unindex(self, writes: dict, kb: bytes, record: SowRecord) -> None:
         for entry in self._entries(kb, record):
