@@ -83,7 +83,10 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
         if after.expires_at is not None:
             headers.append((_EXPIRES_AT, b"%d" % after.expires_at))
         if codec.name == "json":
-            value = after.json = orjson.dumps(after.data)
+            # Kept with the record (the store writes it and caches it): an exact-size copy, as
+            # orjson's result holds a buffer of some kilobytes (measured: 4 KB a record of ~100
+            # bytes, a page fault each and most of the worker's memory when thousands are kept).
+            value = after.json = bytes(memoryview(orjson.dumps(after.data)))
         else:
             value = codec.encode(after.data)
         if not stored:
