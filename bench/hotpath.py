@@ -14,8 +14,8 @@ same inputs.
 Figures are thread CPU time per record, the median of 20,000-record chunks (this machine's
 run-to-run noise is 10-30%). For figures that do not move with the machine's load, count
 instructions: `valgrind --tool=cachegrind --cache-sim=no python bench/hotpath.py --only ingest -n N`
-for two values of N; the difference of the totals over the difference of N is instructions an input
-(docs/benchmarks.md). Last line: `hotpath: input X us, expiry Y us, plain loop Z us, ratio R`
+and `--only setup -n N` (making the inputs alone) for two values of N; the growth of the first
+less that of the second, over the growth of N, is instructions an input (docs/benchmarks.md). Last line: `hotpath: input X us, expiry Y us, plain loop Z us, ratio R`
 (R = plain loop / input: the share of the plain loop's speed the engine keeps, produce aside).
 """
 
@@ -156,10 +156,13 @@ def main() -> None:
     parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
     parser.add_argument("--expiries", type=int, default=100_000, help="records expired (default 100000)")
     parser.add_argument("--produce", action="store_true", help="produce to a real broker ($KAFKA_BOOTSTRAP, else embedded)")
-    parser.add_argument("--only", choices=["ingest", "expiry", "plain"], default=None, help="one measurement (instruction counts)")
+    parser.add_argument("--only", choices=["ingest", "expiry", "plain", "setup"], default=None,
+                        help="one measurement, or only making the inputs (setup): for instruction counts")
     args = parser.parse_args()
     start_ms = int(time.time() * 1000) - 3_600_000
     messages = inputs("hot", args.n, args.k, args.deltas, start_ms) if args.only != "expiry" else []
+    if args.only == "setup":
+        return
     folder = Path(tempfile.mkdtemp(prefix="ksow-hotpath-"))
     gc.freeze()
     gc.disable()  # as in the worker's cycles

@@ -26,7 +26,7 @@ from processor.core.sow import Transition, apply_write, removal
 from processor.engine.outputs import Send, Streams, render, sender
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
-_SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: looking a member up on its Enum class costs ~8x as much, on every input
+_SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: a member looked up on its Enum class costs ~8x more
 SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
 
 
@@ -136,7 +136,7 @@ class SowPartition:
             if self.expiring and is_due(before.expires_at, now):
                 # Its instant passed before this write came: it expired first, and the write starts anew.
                 state.remove(key)
-                self._emit(removal(Op.EXPIRE, key, before, now, self.next_seq(now)), out)
+                self._emit(removal(_EXPIRE, key, before, now, self.next_seq(now)), out)
                 before = None
         if before is None and self.capacity and stored:
             self._make_room(now, out)
