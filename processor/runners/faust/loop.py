@@ -47,7 +47,7 @@ from processor.contract.errors import BatchAborted, ConfigError
 from processor.contract.limits import positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
-from processor.engine.ordering import drain_in_order
+from processor.engine.ordering import drain_in_order, requeue
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
 from processor.runners.faust import metrics
@@ -68,18 +68,23 @@ class Guarantee(str, Enum):
 @dataclass
 class LoopSettings:
     guarantee: Guarantee = Guarantee.EXACTLY_ONCE
-    # Messages taken from the consumer per cycle, one transaction each: larger cycles mean fewer
-    # commits to wait for, but no expiry sweep runs during a commit, which grows with the cycle.
+    # Messages taken from the consumer, and inputs a SOW topic applies, per cycle (one transaction):
+    # larger cycles mean fewer commits to wait for, but no expiry sweep runs during a commit, which
+    # grows with the cycle. Inputs queued past it wait for the next cycle (processor.engine.ordering).
     # None: 50,000, or 20,000 when a topic has expiry or conflated views (measured in bench/expiry.py:
     # p99 lateness under a backlog 343 ms with 50,000, 169 ms with 20,000).
     batch_max: int | None = None
-    chunk: int = 2000  # inputs applied between two looks at the expiry clock
+    chunk: int = 1000  # inputs applied between two looks at the expiry clock
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     # How long after a message was fetched, or after its timestamp, any message appended to a
     # caught-up input before it has surely been fetched too (more than a fetch round trip): until
     # then the merge does not take it past what that input may still deliver. 0: it does not wait.
     order_grace_ms: int = 20
     expiry_tick_ms: int = 25  # between expiry sweeps
+    # With a topic that expires records or conflates views: how long a cycle applies inputs before
+    # it commits (the inputs left go with the next cycle). The gap between two sweeps is about the
+    # commit of such a cycle and one chunk.
+    timed_cycle_ms: int = 200
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
     max_message_bytes: int = 1_000_000  # the producer's message.max.bytes (a record's own limit: processor.contract.limits)
@@ -226,7 +231,9 @@ class _Batch:
                 loop.producer.begin_transaction()
                 loop._in_txn = True
             try:
-                self.produce(topic, value, key, partition, on_delivery=callback, timestamp=timestamp, headers=headers)
+                # Positional (topic, value, key, partition, on_delivery, callback, timestamp, headers):
+                # keyword arguments cost ~0.5 us more a message, measured.
+                self.produce(topic, value, key, partition, callback, None, timestamp, headers)
             except BufferError:
                 loop._produce_when_room(Output(topic, partition, key, value, headers, changelog, timestamp), callback)
             except KafkaException as exc:
@@ -328,6 +335,8 @@ class SowLoop:
         self._next_sweep = 0.0
         self._timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
         self.batch_max = self.settings.batch_max or (20_000 if self._timed else 50_000)
+        self._more = False  # a merge left inputs it could have applied (it took a cycle's worth): no waiting
+        self._cycle_began = 0.0
         self._in_txn = False
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
@@ -487,11 +496,14 @@ class SowLoop:
     # the cycle ------------------------------------------------------------------------------
     def cycle(self) -> None:
         # consume() waits its whole timeout to fill a batch (it returns early only with a full one):
-        # at most 50 ms, less when the next expiry sweep or the end of an order grace comes first.
+        # at most 50 ms, less when the next expiry sweep or the end of an order grace comes first, not
+        # at all when the last merge left inputs it could apply (it takes at most `batch_max`).
         # Inputs sent together may still be split across cycles: the order grace keeps them in order.
         wait = 0.05
         mono = time.monotonic()
-        if self._timed:
+        if self._more:
+            wait, self._more = 0.0, False
+        elif self._timed:
             wait = min(wait, max(0.001, self._next_sweep - mono))
         if self._release_at:
             wait = min(wait, max(0.001, self._release_at - mono))
@@ -501,6 +513,7 @@ class SowLoop:
             _kill("consumed")
         if messages:
             self._file(messages)
+        self._cycle_began = time.monotonic()
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()
         out = _Batch(self)
@@ -572,21 +585,30 @@ class SowLoop:
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
         caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
-        batch = drain_in_order(queues, behind, force, caught_up)
-        if caught_up is not None and any(queues):
+        limit = self.batch_max
+        taken = drain_in_order(queues, behind, force, caught_up, limit)
+        if len(taken) == limit and any(queues):
+            self._more = True
+        elif caught_up is not None and any(queues):
             self._hold(topic, queues)
-        if not batch:  # blocked: an input that is behind may still hold older entries; the wait starts now
+        if not taken:  # blocked: an input that is behind may still hold older entries; the wait starts now
             self._waiting_since.setdefault(topic, time.monotonic())
             return 0
         # Progress resets the wait: it bounds how long the merge is stuck, not how long some input
         # has been empty (during a long backlog the bounding input is emptied by every drain).
         self._waiting_since.pop(topic, None)
-        inputs = batch
+        inputs = [entry[4] for entry in taken]
         step = self.settings.chunk
         for start in range(0, len(inputs), step):
             # The expiry clock is looked at before every chunk: the first one comes after a commit,
-            # a store commit and a consume of up to `batch_max` inputs, long enough for due records.
+            # a store commit and a consume, long enough for due records.
             self._sweep_if_due(out)
+            if start and self._cycle_full():
+                by_partition = {t.p: t for t in tasks}
+                requeue(taken[start:], lambda entry: by_partition[entry[2]].queues[entry[1]])
+                self._more = True
+                inputs = inputs[:start]
+                break
             chunk = inputs[start:start + step]
             self._applying = (engine, chunk, offsets)
             engine.handle(chunk, time.time_ns() // 1_000_000, out)
@@ -596,6 +618,12 @@ class SowLoop:
         if _KILLS:
             _kill("apply")
         return len(inputs)
+
+    def _cycle_full(self) -> bool:
+        """Whether the cycle has applied for `timed_cycle_ms` (only when a topic has timers): no sweep
+        runs while a cycle commits, and the commit grows with the cycle, so under a backlog of
+        inputs, or of records coming due, cycles stay short and expiries on time."""
+        return self._timed and time.monotonic() - self._cycle_began >= self.settings.timed_cycle_ms / 1000
 
     def _caught_up_bounds(self, topic: str, tasks: list[Task]) -> list[tuple]:
         """For each input of a SOW topic, a sort key its messages not fetched yet will follow, were it
