@@ -83,6 +83,11 @@ class IndexSpec:
         return not self.hash_indexes and not self.track_age
 
 
+def _expiry_entry(instant: int, kb: bytes) -> bytes:
+    """The expiry index key of a record: its instant as stored (`_instant`), then its SowKey."""
+    return _EXP + _BE64.pack(instant) + kb
+
+
 def _instant(expires_at: int) -> int:
     """An expiry instant as stored: clamped to [0, 2**63 - 1] (due at once / never, in practice).
 
@@ -382,29 +387,36 @@ class PartitionStore:
     def commit(self) -> None:
         writes: dict[bytes, bytes | None] = {}
         count = self.meta("count")
-        plain = self.indexes.plain  # the common case: only records with an instant have an entry
+        indexed = not self.indexes.plain  # the common case: no index but the expiry entries
         committed = self._committed
+        due_from = self._due_from
         clamped: list[str] = []
         for key, after in self._staged.items():
             before = committed[key]
             kb = key.encode()
             if before is not None:
-                if not plain or before.expires_at is not None:
+                if before.expires_at is not None:
+                    writes.setdefault(_expiry_entry(_instant(before.expires_at), kb), None)
+                if indexed:
                     self._unindex(writes, kb, before)
                 count -= 1
             if after is not None:
                 raw = writes[_REC + kb] = encode_record(after)
-                if not plain or after.expires_at is not None:
-                    self._index(writes, kb, after, raw)
-                    if after.expires_at is not None:
-                        instant = _instant(after.expires_at)
-                        if instant < self._due_from:
-                            self._due_from = instant
-                        if instant != after.expires_at:
-                            clamped.append(key)  # stored otherwise: not cached as it is
+                expires_at = after.expires_at
+                if expires_at is not None:
+                    # The expiry entry carries the record: a sweep reads what it expires in one scan.
+                    instant = _instant(expires_at)
+                    writes[_expiry_entry(instant, kb)] = raw
+                    if instant < due_from:
+                        due_from = instant
+                    if instant != expires_at:
+                        clamped.append(key)  # stored otherwise: not cached as it is
+                if indexed:
+                    self._index(writes, kb, after)
                 count += 1
             else:
                 writes[_REC + kb] = None
+        self._due_from = due_from
         self._meta["count"] = count
         for name, value in self._meta.items():
             writes[_META + name.encode()] = _INT.pack(value)
@@ -427,8 +439,7 @@ class PartitionStore:
         self._due_seek = None
 
     def _entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
-        if record.expires_at is not None:
-            yield _EXP + _BE64.pack(_instant(record.expires_at)) + kb
+        """The entries of the age and hash indexes (the expiry entry: `_expiry_entry`)."""
         if self.indexes.track_age:
             yield _AGE + _BE64.pack(record.seq) + kb
         for no, paths in enumerate(self.indexes.split):
@@ -438,9 +449,9 @@ class PartitionStore:
             for combo in set(itertools.product(*keys)):
                 yield _IDX + bytes([no]) + index_value_hash(combo) + kb
 
-    def _index(self, writes: dict, kb: bytes, record: SowRecord, raw: bytes) -> None:
+    def _index(self, writes: dict, kb: bytes, record: SowRecord) -> None:
         for entry in self._entries(kb, record):
-            writes[entry] = raw if entry.startswith(_EXP) else b""  # the expiry entry carries the record
+            writes[entry] = b""
 
     def _unindex(self, writes: dict, kb: bytes, record: SowRecord) -> None:
         for entry in self._entries(kb, record):
