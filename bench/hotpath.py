@@ -15,8 +15,9 @@ Figures are thread CPU time per record, the median of 20,000-record chunks (this
 run-to-run noise is 10-30%). For figures that do not move with the machine's load, count
 instructions: `valgrind --tool=cachegrind --cache-sim=no python bench/hotpath.py --only ingest -n N`
 and `--only setup -n N` (making the inputs alone) for two values of N; the growth of the first
-less that of the second, over the growth of N, is instructions an input (docs/benchmarks.md). Last line: `hotpath: input X us, expiry Y us, plain loop Z us, ratio R`
-(R = plain loop / input: the share of the plain loop's speed the engine keeps, produce aside).
+less that of the second, over the growth of N, is instructions an input (docs/benchmarks.md).
+Last line: `hotpath: input X us, expiry Y us, plain loop Z us, ratio R` (R = plain loop / input:
+the share of the plain loop's speed the engine keeps, produce aside).
 """
 
 from __future__ import annotations
@@ -62,10 +63,6 @@ def inputs(topic: str, n: int, k: int, deltas: float, start_ms: int) -> list[Inp
             for i, (t, key, value) in enumerate(workload(topic, n, k, deltas))]
 
 
-def per_record(chunks: list[float]) -> float:
-    return statistics.median(chunks)
-
-
 def ingest(messages: list[InputMessage], topic: str, folder: Path, loop) -> float:
     spec = parse_topology({"sow": [{"topic": topic, "key": ["/id"], "partitions": PARTITIONS}]}).sow[0]
     engine = SowTopicEngine(spec)
@@ -85,7 +82,7 @@ def ingest(messages: list[InputMessage], topic: str, folder: Path, loop) -> floa
         chunks.append((time.thread_time() - began) / len(cycle) * 1e6)
     for store in stores:
         store.close()
-    return per_record(chunks)
+    return statistics.median(chunks)
 
 
 def expiry(n: int, folder: Path, loop, start_ms: int) -> float:
@@ -111,7 +108,7 @@ def expiry(n: int, folder: Path, loop, start_ms: int) -> float:
         left -= done
         chunks.append((time.thread_time() - began) / done * 1e6)
     store.close()
-    return per_record(chunks)
+    return statistics.median(chunks)
 
 
 def plain_loop(messages: list[InputMessage], folder: Path) -> float:
@@ -146,7 +143,7 @@ def plain_loop(messages: list[InputMessage], folder: Path) -> float:
         db.write(batch)
         chunks.append((time.thread_time() - began) / len(cycle) * 1e6)
     db.close()
-    return per_record(chunks)
+    return statistics.median(chunks)
 
 
 def main() -> None:

@@ -96,7 +96,7 @@ class KeySpec:
                 if key is None:
                     if len(recent) >= _RECENT_KEYS:
                         recent.clear()
-                    key = recent[value] = _checksum(self.domain, (key_text(value),))
+                    key = recent[value] = checksum_key(self.domain, [value])
                 return key
         if self.user_keys:
             if not header_key:
@@ -104,11 +104,7 @@ class KeySpec:
             return validate_user_key(header_key)
         if record is None:
             raise KeyError_("no record to compute the SowKey from")
-        values = self.key_values(record)
-        if len(values) == 1:
-            value = values[0]
-            return _single_key(self.domain, type(value), value)
-        return _checksum(self.domain, tuple([key_text(v) for v in values]))
+        return checksum_key(self.domain, self.key_values(record))
 
 
 _RECENT_KEYS = 1 << 17  # one-field key values remembered per topic (cleared whole past that)
@@ -143,13 +139,6 @@ def checksum_key(domain: str, values: list[Any]) -> SowKey:
     delimits each text, and it never holds a raw 0x1f, the byte that ends the domain. A key of
     string values is the same as under key format 1."""
     return _checksum(domain, tuple([key_text(v) for v in values]))
-
-
-@lru_cache(maxsize=1 << 16)
-def _single_key(domain: str, kind: type, value: Any) -> SowKey:
-    """The SowKey of a one-field key, remembered by value *and type*: 1, 1.0 and True are equal
-    dictionary keys but need not have the same text."""
-    return _checksum(domain, (key_text(value),))
 
 
 @lru_cache(maxsize=1 << 16)

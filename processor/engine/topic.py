@@ -10,7 +10,6 @@ its inputs with the rules of `SowPartition`.
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -20,7 +19,7 @@ from processor.contract.types import Command, InputMessage, Output, SowRecord
 from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.commands import header_map, parse_command
-from processor.core.keys import owner_partition as _owner_partition
+from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected
 from processor.engine.partition import SEQ_PARTITION_BITS, PartitionState, SowPartition
 from processor.engine.views import ViewProcessor, views_of
@@ -29,8 +28,6 @@ from processor.topology import SowTopic, View
 
 log = logging.getLogger("ksow.engine")
 
-# murmur2 is pure Python (~5-10 us a call): SowKeys repeat, so the owners of recent ones are remembered.
-owner_partition = lru_cache(maxsize=1 << 16)(_owner_partition)
 _RECENT_OWNERS = 1 << 17  # SowKeys whose owner an engine remembers (cleared whole past that)
 
 _LOCAL = (H.LOCAL, b"1")
@@ -112,12 +109,9 @@ class SowTopicEngine:
         n = self.spec.partitions
         key = cmd.sow_key
         if key is not None:
-            owners = self._owners
-            owner = owners.get(key)
+            owner = self._owners.get(key)
             if owner is None:
-                if len(owners) >= _RECENT_OWNERS:
-                    owners.clear()
-                owner = owners[key] = _owner_partition(key, n)
+                owner = self._owner(key)
             target = partitions.get(owner)
             if target is None:
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
@@ -131,18 +125,29 @@ class SowTopicEngine:
         # partitions here go first: a long delete may commit part of its work and, after a crash,
         # be applied again (engine.partition.checkpoint), so the copies for other owners are sent
         # last, once, in the transaction that commits this input.
-        owners = {owner_partition(key, n) for key in cmd.keys} if cmd.keys else set(range(n))
+        owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
         for q in sorted(owners & partitions.keys()):
             partitions[q].apply(cmd, published, now, out)
         if cmd.keys:
             for key in cmd.keys:
-                owner = owner_partition(key, n)
+                owner = self._owner(key)
                 if owner not in partitions:
                     out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode())))
         else:
             for q in range(n):
                 if q not in partitions:
                     out.append(self._reroute(msg, default, q, msg.key))
+
+    def _owner(self, key: str) -> int:
+        """The partition that owns a SowKey. murmur2 is pure Python (~5-10 us a call) and SowKeys
+        repeat, so the owners of recent ones are remembered (the hot path looks in `_owners` first)."""
+        owners = self._owners
+        owner = owners.get(key)
+        if owner is None:
+            if len(owners) >= _RECENT_OWNERS:
+                owners.clear()
+            owner = owners[key] = owner_partition(key, self.spec.partitions)
+        return owner
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]

@@ -253,8 +253,8 @@ class _Batch:
         counts, self.topics = self.topics, {}
         reported = self.reported
         for tp, n in self.changelog.items():
-            if n > reported.get(tp, 0):
-                counts[tp[0]] = counts.get(tp[0], 0) + n - reported.get(tp, 0)
+            if n > (before := reported.get(tp, 0)):
+                counts[tp[0]] = counts.get(tp[0], 0) + n - before
         self.reported = dict(self.changelog)
         return counts
 
