@@ -107,6 +107,8 @@ class LoopSettings:
             batch_max=positive_env("KSOW_BATCH_MAX"),
             max_idle_ms=positive_env("KSOW_MAX_TASK_IDLE_MS", int, cls.max_idle_ms),
             order_grace_ms=positive_env("KSOW_ORDER_GRACE_MS", int, cls.order_grace_ms, zero=True),
+            timed_cycle_ms=positive_env("KSOW_TIMED_CYCLE_MS", int, cls.timed_cycle_ms),
+            queue_high=positive_env("KSOW_QUEUE_HIGH", int, cls.queue_high),
             max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
             session_timeout_ms=positive_env("KSOW_SESSION_TIMEOUT_MS", int, cls.session_timeout_ms),
             transaction_timeout_ms=positive_env("KSOW_TRANSACTION_TIMEOUT_MS", int, cls.transaction_timeout_ms),
@@ -163,6 +165,7 @@ class Task:
     queues: tuple[deque, deque, deque] = field(default_factory=lambda: (deque(), deque(), deque()))
     at_end: list[bool] = field(default_factory=lambda: [False, False, False])  # caught up (end-of-partition seen)
     tops: list[int] = field(default_factory=lambda: [0, 0, 0])  # largest timestamp filed per input (its sort time)
+    fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
     store: PartitionStore | None = None
     restored: bool = False
 
@@ -554,6 +557,7 @@ class SowLoop:
             if ts > top:
                 task.tops[rank] = top = ts
             offset = msg.offset()
+            task.fetched[rank] = offset + 1
             task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
             task.at_end[rank] = False
         if self.settings.order_grace_ms:
@@ -797,6 +801,7 @@ class SowLoop:
                 q.clear()
             task.at_end = [False, False, False]
             task.tops = [0, 0, 0]
+            task.fetched = [-1, -1, -1]  # the consumer is sought back below
             task.restored = False  # views' holds and the store are read back before going on
         assigned = self.consumer.assignment()
         self._committed.clear()
@@ -898,12 +903,17 @@ class SowLoop:
 
     # flow control -----------------------------------------------------------------------------
     def _flow_control(self) -> None:
-        """Pause input partitions whose queue is long (another input of their SOW partition is behind),
-        resume them when it has drained."""
+        """Pause input partitions whose queue is long (another input of their SOW partition is behind,
+        or a backlog larger than a cycle), resume them when it has drained.
+
+        A resumed partition is first sought to the message after the last one filed: librdkafka
+        (2.12, 2.13) counts an end-of-partition event it hands out as a message, so a partition
+        paused after reaching its end would resume one past the end of the log, find that offset out
+        of range and start again from the beginning (auto.offset.reset), applying everything again."""
         high = self.settings.queue_high
         pause, resume = [], []
         for task in self.tasks.values():
-            for (topic, p), q in zip(task.inputs, task.queues):
+            for rank, ((topic, p), q) in enumerate(zip(task.inputs, task.queues)):
                 tp = (topic, p)
                 if len(q) >= high and tp not in self._paused:
                     pause.append(TopicPartition(topic, p))
@@ -911,6 +921,8 @@ class SowLoop:
                 elif len(q) < high // 2 and tp in self._paused:
                     resume.append(TopicPartition(topic, p))
                     self._paused.discard(tp)
+                    if task.fetched[rank] >= 0:
+                        self.consumer.seek(TopicPartition(topic, p, task.fetched[rank]))
         if pause:
             self.consumer.pause(pause)
         if resume:
