@@ -81,9 +81,8 @@ class LoopSettings:
     # then the merge does not take it past what that input may still deliver. 0: it does not wait.
     order_grace_ms: int = 20
     expiry_tick_ms: int = 25  # between expiry sweeps
-    # With a topic that expires records or conflates views: how long a cycle applies inputs before
-    # it commits (the inputs left go with the next cycle). The gap between two sweeps is about the
-    # commit of such a cycle and one chunk.
+    # While records expire: how long a cycle applies inputs before it commits (the inputs left go
+    # with the next cycle). The gap between two sweeps is about the commit of such a cycle and one chunk.
     timed_cycle_ms: int = 200
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
@@ -340,6 +339,7 @@ class SowLoop:
         self.batch_max = self.settings.batch_max or (20_000 if self._timed else 50_000)
         self._more = False  # a merge left inputs it could have applied (it took a cycle's worth): no waiting
         self._cycle_began = 0.0
+        self._cycle_expired = 0  # records the cycle's sweeps expired so far
         self._in_txn = False
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
@@ -517,6 +517,7 @@ class SowLoop:
         if messages:
             self._file(messages)
         self._cycle_began = time.monotonic()
+        self._cycle_expired = 0
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()
         out = _Batch(self)
@@ -624,10 +625,11 @@ class SowLoop:
         return len(inputs)
 
     def _cycle_full(self) -> bool:
-        """Whether the cycle has applied for `timed_cycle_ms` (only when a topic has timers): no sweep
-        runs while a cycle commits, and the commit grows with the cycle, so under a backlog of
-        inputs, or of records coming due, cycles stay short and expiries on time."""
-        return self._timed and time.monotonic() - self._cycle_began >= self.settings.timed_cycle_ms / 1000
+        """Whether the cycle has run for `timed_cycle_ms` and expired records meanwhile: no sweep runs
+        while a cycle commits, and the commit grows with the cycle, so while records come due under
+        a backlog of inputs, cycles stay short and expiries on time. With nothing coming due, cycles
+        stay long (a commit costs the loop a round trip to the broker)."""
+        return self._cycle_expired > 0 and time.monotonic() - self._cycle_began >= self.settings.timed_cycle_ms / 1000
 
     def _caught_up_bounds(self, topic: str, tasks: list[Task]) -> list[tuple]:
         """For each input of a SOW topic, a sort key its messages not fetched yet will follow, were it
@@ -695,8 +697,11 @@ class SowLoop:
                 continue
             engine = task.engine
             if engine.spec.expiry.active:
-                if engine.expire_due(task.p, now, out, limit) and _KILLS:
-                    _kill("sweep")
+                expired = engine.expire_due(task.p, now, out, limit)
+                if expired:
+                    self._cycle_expired += expired
+                    if _KILLS:
+                        _kill("sweep")
             if engine.conflates:
                 engine.release_views(task.p, now, out)
 
