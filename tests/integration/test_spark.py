@@ -514,7 +514,7 @@ def test_streaming_runner_survives_stop_and_restart(spark, kafka_bootstrap, tmp_
     Kafka but which is not yet committed runs again after the restart (at least once), so the test
     stops once the inputs are committed (`_wait_committed`)."""
     from processor.client.sow_client import Client
-    from processor.runners.spark.stream import run_stream
+    from processor.runners.spark.stream import run_stream, stop_queries
 
     name = f"t_spark_restart_{int(time.time() * 1000) % 10**9}"
     spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], expiration="enabled", partitions=2)
@@ -538,8 +538,7 @@ def test_streaming_runner_survives_stop_and_restart(spark, kafka_bootstrap, tmp_
         _wait_sow(kafka_bootstrap, spec, before, queries, also=k[7])
         _wait_committed(kafka_bootstrap, spec, queries)
     finally:
-        for q in queries:
-            q.stop()
+        stop_queries(queries)
     assert not any(q.isActive for q in queries)
 
     # While stopped: deltas on keys that exist, deletes of every kind, a new record.

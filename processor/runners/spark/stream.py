@@ -15,8 +15,10 @@ earlier in the same micro-batch included.
 
 Differences from the Faust worker, by design of the engine:
 - Spark shuffles inputs to their partition group itself, so `<topic>.repartition` is not used.
-- Delivery is at least once (Spark's Kafka sink): after a crash a micro-batch may be written twice
-  (same records, so the compacted `.sow` is unaffected; `.diff` may repeat events).
+- Delivery is at least once (Spark's Kafka sink): a micro-batch writes to Kafka before Spark
+  commits it, and Spark's stop() interrupts one under way, so after a crash (or a stop that could
+  not wait for the micro-batch under way: `stop_queries` waits up to STOP_WAIT_S) a micro-batch may be
+  written twice (same records, so the compacted `.sow` is unaffected; `.diff` may repeat events).
 - Expiry runs on processing-time timers, so at most one trigger interval late; and every trigger
   runs a micro-batch even with no input (Spark does so for processing-time timers).
 - The state lives in the checkpoint whatever the topic's `persistence`; `simple` topics and views
@@ -306,6 +308,9 @@ class StreamError(RuntimeError):
     """A streaming query stopped with an error."""
 
 
+STOP_WAIT_S = 30.0  # how long a stop waits for the micro-batches under way to finish
+
+
 def wait_for(queries) -> None:
     """Block until a query stops (its error raised as StreamError) or Ctrl-C; then stop them all."""
     try:
@@ -318,8 +323,17 @@ def wait_for(queries) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        for q in queries:
-            try:
-                q.stop()
-            except Exception:  # noqa: BLE001 - stopping is best effort when the JVM is going away
-                log.debug("could not stop %s", q.name, exc_info=True)
+        stop_queries(queries)
+
+
+def stop_queries(queries, wait_s: float = STOP_WAIT_S) -> None:
+    """Stop the queries, each between two micro-batches when it can (waiting up to `wait_s` in all):
+    Spark's stop() interrupts a micro-batch under way, which then runs again after a restart."""
+    deadline = time.monotonic() + wait_s
+    for q in queries:
+        try:
+            while q.isActive and q.status.get("isTriggerActive") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            q.stop()
+        except Exception:  # noqa: BLE001 - stopping is best effort when the JVM is going away
+            log.debug("could not stop %s", q.name, exc_info=True)
