@@ -214,7 +214,7 @@ class OrderedInputs:
         """Up to `limit` messages that can be applied now, in order within each partition."""
         if len(self._ready) < limit:
             for p, queues in self._queues.items():
-                self._ready.extend(drain_in_order(queues, [not end for end in self._at_end[p]]))
+                self._ready.extend(entry[4] for entry in drain_in_order(queues, [not end for end in self._at_end[p]]))
         ready = self._ready
         return [ready.popleft() for _ in range(min(limit, len(ready)))]
 
