@@ -347,8 +347,9 @@ def test_a_backlog_longer_than_the_max_idle_time_stays_in_order(kafka_bootstrap,
     its bounding input at every drain while it makes progress; the wait must count only while it is
     stuck, else the worker stops waiting in the middle of the backlog and applies deltas and full
     publishes out of order (found by bench/peers.py at 600,000 inputs). A merge takes at most a
-    cycle's worth of inputs, and with expiration enabled a cycle also ends after `timed_cycle_ms`,
-    putting back what it took and did not apply: both must keep the order."""
+    cycle's worth of inputs (50,000, or 20,000 with expiration enabled): the rest must keep their
+    order. (Cycles that end early while records expire are in
+    test_an_input_paused_after_its_end_resumes_where_it_was.)"""
     path, spec = topology_file(tmp_path, unique_name, expiration=expiration)
     ensure_topics(make_admin(kafka_bootstrap), topic_configs(spec))
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 20, "enable.idempotence": True, "queue.buffering.max.messages": 400_000})
