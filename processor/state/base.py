@@ -52,12 +52,24 @@ _KEY_FORMAT = "keyformat"
 _ABSENT = object()  # not in a cache (None there means: no such record)
 
 
+class WriteBatch(Protocol):
+    """Writes collected in order (a later one of a key wins), applied at once by `write`."""
+
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+
 class KeyValueBackend(Protocol):
     """What a backend provides: point reads, ordered range scans, atomic batch commits."""
 
     def get(self, key: bytes) -> bytes | None: ...
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]: ...
+
+    def batch(self) -> WriteBatch: ...
+
+    def write(self, batch: WriteBatch) -> None: ...
 
     def commit(self, writes: dict[bytes, bytes | None]) -> None: ...
 
@@ -141,6 +153,16 @@ def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
 def index_value_hash(values: tuple) -> bytes:
     """Fixed-width digest of an index's values, so range scans can find one value's entries."""
     return hashlib.blake2b(orjson.dumps(values), digest_size=8).digest()
+
+
+@dataclass(slots=True)
+class PreparedCommit:
+    """A store's staged writes as a backend batch (`PartitionStore.prepare`)."""
+
+    batch: WriteBatch
+    count: int  # records once applied
+    due_from: int
+    clamped: list[str]  # records whose expiry instant is stored clamped: not cached as they are
 
 
 @dataclass
@@ -384,8 +406,13 @@ class PartitionStore:
     def dirty(self) -> bool:
         return bool(self._staged or self._meta)
 
-    def commit(self) -> None:
-        writes: dict[bytes, bytes | None] = {}
+    def prepare(self) -> "PreparedCommit":
+        """The staged writes as one backend batch, not applied yet: a runner builds it while its
+        transaction commits, and applies it with `commit(prepared)` once that succeeded (or drops it
+        and rolls back). Writes of one record go in order, removals before puts (a later write of a
+        key wins), so an entry both removed and written stays."""
+        batch = self.backend.batch()
+        put, delete = batch.put, batch.delete
         count = self.meta("count")
         indexed = not self.indexes.plain  # the common case: no index but the expiry entries
         committed = self._committed
@@ -396,36 +423,47 @@ class PartitionStore:
             kb = key.encode()
             if before is not None:
                 if before.expires_at is not None:
-                    writes.setdefault(_expiry_entry(_instant(before.expires_at), kb), None)
+                    delete(_expiry_entry(_instant(before.expires_at), kb))
                 if indexed:
-                    self._unindex(writes, kb, before)
+                    for entry in self._entries(kb, before):
+                        delete(entry)
                 count -= 1
             if after is not None:
-                raw = writes[_REC + kb] = encode_record(after)
+                raw = encode_record(after)
+                put(_REC + kb, raw)
                 expires_at = after.expires_at
                 if expires_at is not None:
                     # The expiry entry carries the record: a sweep reads what it expires in one scan.
                     instant = _instant(expires_at)
-                    writes[_expiry_entry(instant, kb)] = raw
+                    put(_expiry_entry(instant, kb), raw)
                     if instant < due_from:
                         due_from = instant
                     if instant != expires_at:
                         clamped.append(key)  # stored otherwise: not cached as it is
                 if indexed:
-                    self._index(writes, kb, after)
+                    for entry in self._entries(kb, after):
+                        put(entry, b"")
                 count += 1
             else:
-                writes[_REC + kb] = None
-        self._due_from = due_from
-        self._meta["count"] = count
+                delete(_REC + kb)
+        return PreparedCommit(batch, count, due_from, clamped)
+
+    def commit(self, prepared: "PreparedCommit | None" = None) -> None:
+        """Make the staged writes durable, with the metadata, in one atomic batch."""
+        if prepared is None:
+            prepared = self.prepare()
+        batch = prepared.batch
+        self._due_from = prepared.due_from
+        self._meta["count"] = prepared.count
         for name, value in self._meta.items():
-            writes[_META + name.encode()] = _INT.pack(value)
-        self.backend.commit(writes)
+            batch.put(_META + name.encode(), _INT.pack(value))
+        self.backend.write(batch)
+        committed = self._committed
         if len(committed) + len(self._staged) > self.CACHE_RECORDS:
             committed.clear()
         else:
             committed.update(self._staged)
-            for key in clamped:
+            for key in prepared.clamped:
                 del committed[key]
         self.rollback()  # nothing staged is left to forget: it is committed, and cached above
 
@@ -448,14 +486,6 @@ class PartitionStore:
             keys = [index_keys(get_path(record.data, p)) for p in paths]
             for combo in set(itertools.product(*keys)):
                 yield _IDX + bytes([no]) + index_value_hash(combo) + kb
-
-    def _index(self, writes: dict, kb: bytes, record: SowRecord) -> None:
-        for entry in self._entries(kb, record):
-            writes[entry] = b""
-
-    def _unindex(self, writes: dict, kb: bytes, record: SowRecord) -> None:
-        for entry in self._entries(kb, record):
-            writes.setdefault(entry, None)
 
     def clear(self) -> None:
         """Forget everything and start empty (the changelog is then replayed from the start)."""

@@ -23,6 +23,12 @@ class MemoryBackend:
             if value is not None:
                 yield key, value
 
+    def batch(self) -> "_Writes":
+        return _Writes()
+
+    def write(self, batch: "_Writes") -> None:
+        self.commit(batch)
+
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
         for key, value in writes.items():
             if value is None:
@@ -35,3 +41,14 @@ class MemoryBackend:
 
     def close(self) -> None:
         pass
+
+
+class _Writes(dict):
+    """A write batch: the last write of each key (a dict keeps the order a key was first written,
+    and a batch is applied whole, so only the last value of a key matters)."""
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self[key] = value
+
+    def delete(self, key: bytes) -> None:
+        self[key] = None

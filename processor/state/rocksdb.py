@@ -29,8 +29,14 @@ class RocksDBBackend:
         options.set_iterate_upper_bound(stop)
         yield from self._db.items(from_key=start, read_opt=options)
 
+    def batch(self) -> WriteBatch:
+        return WriteBatch(raw_mode=True)
+
+    def write(self, batch: WriteBatch) -> None:
+        self._db.write(batch)
+
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
-        batch = WriteBatch(raw_mode=True)
+        batch = self.batch()
         for key, value in writes.items():
             if value is None:
                 batch.delete(key)

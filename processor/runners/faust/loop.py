@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -341,6 +342,7 @@ class SowLoop:
         self._cycle_began = 0.0
         self._cycle_expired = 0  # records the cycle's sweeps expired so far
         self._in_txn = False
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
         # Order grace: per SOW topic, (when, largest sort time filed by then) for each consume, and the
@@ -423,6 +425,7 @@ class SowLoop:
         except Exception:  # noqa: BLE001 - closing is best effort
             log.debug("consumer close", exc_info=True)
         self.producer.flush(10)
+        self._committer.shutdown()
         for task in self.tasks.values():
             if task.store is not None:
                 task.store.close()
@@ -708,8 +711,11 @@ class SowLoop:
     # commit ---------------------------------------------------------------------------------
     def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter) -> bool:
         """Commit the transaction (outputs and input offsets), then the stores. False when it could
-        not: the batch was aborted and rolled back (`_recover`)."""
-        producer = self.producer
+        not: the batch was aborted and rolled back (`_recover`).
+
+        The broker's part (the tail of the outputs, the offsets, the commit: round trips that release
+        the GIL) runs on the committer thread while this one builds the stores' write batches, which
+        are applied only once the transaction committed."""
         positions, failures = out.positions, out.failures
         committing = offsets  # under exactly-once, with the offsets that fence a zombie
         started = time.perf_counter()
@@ -718,20 +724,18 @@ class SowLoop:
                 raise out.error
             if self.eos:
                 if not self._in_txn:
-                    producer.begin_transaction()
+                    self.producer.begin_transaction()
                     self._in_txn = True
                 committing = self._fencing_offsets(offsets, out.sent)
-                if committing:
-                    producer.send_offsets_to_transaction(
-                        [TopicPartition(t, p, o) for (t, p), o in committing.items()], self.consumer.consumer_group_metadata(), 30
-                    )
-                if _KILLS:
-                    producer.flush()
-                    _kill("commit")
-                producer.commit_transaction(60)
-                self._in_txn = False
+                metadata = self.consumer.consumer_group_metadata() if committing else None
+                ending = self._committer.submit(self._end_transaction, committing, metadata)
             else:
-                producer.flush()
+                ending = self._committer.submit(self.producer.flush)
+            try:
+                prepared = {name: task.store.prepare() for name, task in self.tasks.items() if task.store is not None and task.store.dirty}
+            finally:
+                ending.result()
+            self._in_txn = False
             if positions.failed or (failures and failures.errors):
                 raise KafkaException((positions.failed or failures.errors)[0])
         except KafkaException as exc:
@@ -741,7 +745,7 @@ class SowLoop:
         if _KILLS:
             _kill("store")
         ends = positions.ends(out.changelog)
-        for task in self.tasks.values():
+        for name, task in self.tasks.items():
             store = task.store
             if store is None:
                 continue
@@ -749,7 +753,7 @@ class SowLoop:
             if position is not None and position > store.meta("changelog"):
                 store.set_meta("changelog", position)
             if store.dirty:
-                store.commit()
+                store.commit(prepared.get(name))
         if not self.eos and offsets:
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
@@ -758,6 +762,17 @@ class SowLoop:
         for topic, n in out.take_counts().items():
             metrics.OUTPUTS.labels(topic).inc(n)
         return True
+
+    def _end_transaction(self, committing: dict[tuple[str, int], int], metadata) -> None:
+        """The broker's part of a commit (on the committer thread): the input offsets, then the commit,
+        which waits for every output to be delivered."""
+        producer = self.producer
+        if committing:
+            producer.send_offsets_to_transaction([TopicPartition(t, p, o) for (t, p), o in committing.items()], metadata, 30)
+        if _KILLS:
+            producer.flush()
+            _kill("commit")
+        producer.commit_transaction(60)
 
     def _fencing_offsets(self, offsets: dict[tuple[str, int], int], sent: int) -> dict[tuple[str, int], int]:
         """The input offsets a transaction commits: this batch's, and the committed ones of every other
