@@ -16,8 +16,10 @@ run-to-run noise is 10-30%). For figures that do not move with the machine's loa
 instructions: `valgrind --tool=cachegrind --cache-sim=no python bench/hotpath.py --only ingest -n N`
 and `--only setup -n N` (making the inputs alone) for two values of N; the growth of the first
 less that of the second, over the growth of N, is instructions an input (docs/benchmarks.md).
-Last line: `hotpath: input X us, expiry Y us, plain loop Z us, ratio R` (R = plain loop / input:
-the share of the plain loop's speed the engine keeps, produce aside).
+Also in the same run, the least an expiry costs in Python (`plain_expiry`: a range scan, three
+messages, two deletes). Last line: `hotpath: input X us, expiry Y us, plain loop Z us, plain expiry
+W us, ratio R, expiry ratio E` (R = plain loop / input, E = plain expiry / expiry: the share of the
+plain loops' speed the engine keeps).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import gc
 import shutil
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -146,6 +149,61 @@ def plain_loop(messages: list[InputMessage], folder: Path) -> float:
     return statistics.median(chunks)
 
 
+def plain_expiry(n: int, folder: Path, producer) -> float:
+    """The least an expiry can cost in Python here: rocksdict's range scan of an expiry index whose
+    entries carry the record, the three messages with their five headers (`.sow` tombstone, `.diff`
+    and `EXP.` with the last record), the two deletes in a WriteBatch. No event-ID counter, no
+    staging, no checks."""
+    from rocksdict import Options, Rdict, ReadOptions, WriteBatch
+
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    db = Rdict(str(folder / "plain_exp"), options)
+    be64 = struct.Struct(">Q")
+    base = int(time.time() * 1000)
+    for c in range(0, n, CYCLE):
+        batch = WriteBatch(raw_mode=True)
+        for i in range(c, min(n, c + CYCLE)):
+            kb = b'["hot_exp",%d]' % i
+            raw = struct.pack(">qqq", i, base + i, base) + orjson.dumps({"id": i, "px": i * 0.5, "side": "BS"[i % 2], "desk": f"d{i % 40}"})
+            batch.put(b"r" + kb, raw)
+            batch.put(b"x" + be64.pack(base + i) + kb, raw)
+        db.write(batch)
+    produce, poll = producer.produce, getattr(producer, "poll", None)
+    upper = b"x" + be64.pack(base + n + 1)
+    start, seq, chunks = b"x", 0, []
+    while True:
+        began = time.thread_time()
+        read = ReadOptions()
+        read.set_iterate_upper_bound(upper)
+        batch, done = WriteBatch(raw_mode=True), 0
+        for k, v in db.items(from_key=start, read_opt=read):
+            kb = k[9:]
+            seq += 1
+            headers = [("sow-key", kb), ("sow-op", b"expire"), ("sow-seq", b"%d" % seq),
+                       ("sow-expires-at", b"%d" % be64.unpack_from(k, 1)[0]), ("sow-actual-expiry", b"%d" % base)]
+            last = v[24:]
+            produce("hot_exp.sow", None, kb, 0, None, None, 0, headers)
+            produce("hot_exp.diff", last, kb, 0, None, None, 0, headers)
+            produce("EXP.hot_exp", last, kb, 0, None, None, 0, headers)
+            batch.delete(k)
+            batch.delete(b"r" + kb)
+            done += 1
+            if done == CYCLE:
+                start = k + b"\x00"
+                break
+        db.write(batch)
+        if not done:
+            break
+        chunks.append((time.thread_time() - began) / done * 1e6)
+        if poll is not None:
+            poll(0)
+        if done < CYCLE:
+            break
+    db.close()
+    return statistics.median(chunks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=200_000, help="inputs (default 200000)")
@@ -153,7 +211,7 @@ def main() -> None:
     parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
     parser.add_argument("--expiries", type=int, default=100_000, help="records expired (default 100000)")
     parser.add_argument("--produce", action="store_true", help="produce to a real broker ($KAFKA_BOOTSTRAP, else embedded)")
-    parser.add_argument("--only", choices=["ingest", "expiry", "plain", "setup"], default=None,
+    parser.add_argument("--only", choices=["ingest", "expiry", "plain", "plain-expiry", "setup"], default=None,
                         help="one measurement, or only making the inputs (setup): for instruction counts")
     args = parser.parse_args()
     start_ms = int(time.time() * 1000) - 3_600_000
@@ -180,9 +238,10 @@ def main() -> None:
     where = "produced to Kafka" if args.produce else "producer doing nothing"
     for name, us in results.items():
         print(f"  {name:<8} {us:8.2f} us a record (thread CPU, median of {CYCLE:,}-record chunks; {where})")
-    if len(results) == 3:
+    if len(results) == 4:
         print(f"hotpath: input {results['input']:.2f} us, expiry {results['expiry']:.2f} us, plain loop {results['plain']:.2f} us, "
-              f"ratio {results['plain'] / results['input']:.2f}")
+              f"plain expiry {results['plain expiry']:.2f} us, ratio {results['plain'] / results['input']:.2f}, "
+              f"expiry ratio {results['plain expiry'] / results['expiry']:.2f}")
 
 
 def measure(args, messages, folder: Path, loop, start_ms: int) -> dict[str, float]:
@@ -193,6 +252,8 @@ def measure(args, messages, folder: Path, loop, start_ms: int) -> dict[str, floa
         results["expiry"] = expiry(args.expiries, folder, loop, start_ms)
     if args.only in (None, "plain"):
         results["plain"] = plain_loop(messages, folder)
+    if args.only in (None, "plain-expiry"):
+        results["plain expiry"] = plain_expiry(args.expiries, folder, loop.producer)
     return results
 
 

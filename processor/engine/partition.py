@@ -63,7 +63,8 @@ class PartitionState(Protocol):
 
     def due(self, now_ms: int) -> Iterator[tuple[int, str]]:
         """(expires_at, SowKey) of records whose instant is at or before now_ms, oldest first.
-        May hold stale entries (a record updated since): the engine checks each against get()."""
+        May hold stale entries (a record updated since): the engine checks each against get().
+        Every entry the caller goes past (asks for the next one) counts as handled: expired or stale."""
         ...
 
     def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:

@@ -59,6 +59,8 @@ class WriteBatch(Protocol):
 
     def delete(self, key: bytes) -> None: ...
 
+    def delete_range(self, start: bytes, stop: bytes) -> None: ...  # every key in [start, stop)
+
 
 class KeyValueBackend(Protocol):
     """What a backend provides: point reads, ordered range scans, atomic batch commits."""
@@ -331,7 +333,9 @@ class PartitionStore:
 
         Within a batch, an entry the caller went past (it asked for the next one) was handled:
         expired, or found stale. The batch's next sweeps start after it (`_due_seek`) instead of
-        reading again every entry the batch already expired (their removal is only staged).
+        reading again every entry the batch already expired (their removal is only staged), and
+        its commit drops all of them at once (`prepare`). A look that handles nothing must end
+        with rollback().
 
         A committed entry carries its record as committed (an update replaces or removes the entry
         in the same commit): it goes into the cache, so the caller's get() reads nothing more."""
@@ -413,6 +417,13 @@ class PartitionStore:
         key wins), so an entry both removed and written stays."""
         batch = self.backend.batch()
         put, delete = batch.put, batch.delete
+        swept = self._due_seek
+        if swept is not None:
+            # Every committed expiry entry before it was handed out by due() in this batch and handled:
+            # its record expired, or changed since (and its writes below put the new entry back). One
+            # range tombstone for them instead of a delete each, which also spares later scans from
+            # stepping over a tombstone per expired record.
+            batch.delete_range(_EXP, swept)
         count = self.meta("count")
         indexed = not self.indexes.plain  # the common case: no index but the expiry entries
         committed = self._committed
@@ -423,7 +434,9 @@ class PartitionStore:
             kb = key.encode()
             if before is not None:
                 if before.expires_at is not None:
-                    delete(_expiry_entry(_instant(before.expires_at), kb))
+                    entry = _expiry_entry(_instant(before.expires_at), kb)
+                    if swept is None or entry >= swept:
+                        delete(entry)
                 if indexed:
                     for entry in self._entries(kb, before):
                         delete(entry)

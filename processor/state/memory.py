@@ -27,7 +27,15 @@ class MemoryBackend:
         return _Writes()
 
     def write(self, batch: "_Writes") -> None:
-        self.commit(batch)
+        data = self._data
+        for op in batch:
+            if len(op) == 3:
+                for key in list(data.irange(op[0], op[1], inclusive=(True, False))):
+                    del data[key]
+            elif op[1] is None:
+                data.pop(op[0], None)
+            else:
+                data[op[0]] = op[1]
 
     def commit(self, writes: dict[bytes, bytes | None]) -> None:
         for key, value in writes.items():
@@ -43,12 +51,14 @@ class MemoryBackend:
         pass
 
 
-class _Writes(dict):
-    """A write batch: the last write of each key (a dict keeps the order a key was first written,
-    and a batch is applied whole, so only the last value of a key matters)."""
+class _Writes(list):
+    """A write batch: operations applied in order (`MemoryBackend.write`)."""
 
     def put(self, key: bytes, value: bytes) -> None:
-        self[key] = value
+        self.append((key, value))
 
     def delete(self, key: bytes) -> None:
-        self[key] = None
+        self.append((key, None))
+
+    def delete_range(self, start: bytes, stop: bytes) -> None:
+        self.append((start, stop, True))
