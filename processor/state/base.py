@@ -183,6 +183,7 @@ class PartitionStore:
     # compaction: skipping them made each sweep cost O(records expired so far).
     _due_from: int = 0
     _due_seek: bytes | None = None  # within a batch: the expiry index key after the last entry due() handed out and got past
+    _swept_from: bytes = b""  # within a batch: the first entry due() handed out (set with _due_seek)
 
     def __post_init__(self) -> None:
         if self.indexes.track_age:
@@ -347,6 +348,7 @@ class PartitionStore:
             at = _BE64.unpack_from(k, 1)[0]
             if not found and seek is None:  # the oldest committed entry: nothing lies before it
                 self._due_from = at
+                self._swept_from = k
             found = True
             key = k[9:].decode()
             if raw and key not in staged and key not in committed:
@@ -417,13 +419,14 @@ class PartitionStore:
         key wins), so an entry both removed and written stays."""
         batch = self.backend.batch()
         put, delete = batch.put, batch.delete
-        swept = self._due_seek
+        swept, swept_from = self._due_seek, self._swept_from
         if swept is not None:
-            # Every committed expiry entry before it was handed out by due() in this batch and handled:
-            # its record expired, or changed since (and its writes below put the new entry back). One
-            # range tombstone for them instead of a delete each, which also spares later scans from
-            # stepping over a tombstone per expired record.
-            batch.delete_range(_EXP, swept)
+            # Every committed expiry entry in the span was handed out by due() in this batch and
+            # handled: its record expired, or changed since (and its writes below put the new entry
+            # back). One range tombstone for them instead of a delete each, which also spares later
+            # scans from stepping over a tombstone per expired record. The spans of successive
+            # batches do not overlap: RocksDB splits overlapping ones into fragments on every read.
+            batch.delete_range(swept_from, swept)
         count = self.meta("count")
         indexed = not self.indexes.plain  # the common case: no index but the expiry entries
         committed = self._committed
@@ -435,7 +438,7 @@ class PartitionStore:
             if before is not None:
                 if before.expires_at is not None:
                     entry = _expiry_entry(_instant(before.expires_at), kb)
-                    if swept is None or entry >= swept:
+                    if swept is None or not swept_from <= entry < swept:
                         delete(entry)
                 if indexed:
                     for entry in self._entries(kb, before):
