@@ -237,7 +237,7 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     where = "produced to Kafka" if args.produce else "producer doing nothing"
     for name, us in results.items():
-        print(f"  {name:<8} {us:8.2f} us a record (thread CPU, median of {CYCLE:,}-record chunks; {where})")
+        print(f"  {name:<12} {us:8.2f} us a record (thread CPU, median of {CYCLE:,}-record chunks; {where})")
     if len(results) == 4:
         print(f"hotpath: input {results['input']:.2f} us, expiry {results['expiry']:.2f} us, plain loop {results['plain']:.2f} us, "
               f"plain expiry {results['plain expiry']:.2f} us, ratio {results['plain'] / results['input']:.2f}, "
