@@ -73,8 +73,6 @@ class KeyValueBackend(Protocol):
 
     def write(self, batch: WriteBatch) -> None: ...
 
-    def commit(self, writes: dict[bytes, bytes | None]) -> None: ...
-
     def clear(self) -> None: ...
 
     def close(self) -> None: ...
@@ -195,13 +193,13 @@ class PartitionStore:
         old = list(self.backend.scan(_AGE_BY_INSTANT, _AGE_BY_INSTANT + _END))
         if not old:
             return
-        writes: dict[bytes, bytes | None] = {}
+        batch = self.backend.batch()
         for k, _ in old:
-            writes[k] = None
+            batch.delete(k)
             record = self._load(k[9:].decode())
             if record is not None:
-                writes[_AGE + _BE64.pack(record.seq) + k[9:]] = b""
-        self.backend.commit(writes)
+                batch.put(_AGE + _BE64.pack(record.seq) + k[9:], b"")
+        self.backend.write(batch)
 
     # reads -----------------------------------------------------------------
     def get(self, key: str) -> SowRecord | None:

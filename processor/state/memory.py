@@ -37,13 +37,6 @@ class MemoryBackend:
             else:
                 data[op[0]] = op[1]
 
-    def commit(self, writes: dict[bytes, bytes | None]) -> None:
-        for key, value in writes.items():
-            if value is None:
-                self._data.pop(key, None)
-            else:
-                self._data[key] = value
-
     def clear(self) -> None:
         self._data.clear()
 

@@ -35,15 +35,6 @@ class RocksDBBackend:
     def write(self, batch: WriteBatch) -> None:
         self._db.write(batch)
 
-    def commit(self, writes: dict[bytes, bytes | None]) -> None:
-        batch = self.batch()
-        for key, value in writes.items():
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
-        self._db.write(batch)
-
     def clear(self) -> None:
         self._db.close()
         Rdict.destroy(self.path, Options(raw_mode=True))

@@ -304,7 +304,10 @@ def test_rocksdb_scan_stops_at_the_bound(tmp_path) -> None:
 
     backend = RocksDBBackend(tmp_path / "db")
     keys = [b"i\x007h\xb8T\x86a", b"i\x007h\xb8T\x86b", b"i\x007h\xb8T\x87", b"i\x01", b"m1", b"r\xff"]
-    backend.commit({k: b"v" for k in keys})
+    batch = backend.batch()
+    for k in keys:
+        batch.put(k, b"v")
+    backend.write(batch)
     prefix = b"i\x007h\xb8T\x86"
     for _ in range(3):  # after other allocations too: the bound must outlive the call
         scans = [backend.scan(prefix, prefix + b"\xff" * 9) for _ in range(5)]
