@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -145,6 +147,9 @@ WORKER_OPTIONS = [
     click.option("--processing-guarantee", "guarantee", envvar="KSOW_PROCESSING_GUARANTEE", type=click.Choice(["exactly_once", "at_least_once"]),
                  default="exactly_once", show_default=True,
                  help="exactly_once: outputs and input offsets commit in one Kafka transaction; at_least_once: no transactions."),
+    click.option("--workers", type=click.IntRange(1, 256), envvar="KSOW_WORKERS", default=1, show_default=True,
+                 help="Worker processes to run on this host, each a member of the group with its own stores "
+                      "(<data-dir>/worker-<i>) and HTTP port (--web-port + i): a worker's loop uses one core."),
     click.option("--static-membership", "static", is_flag=True, envvar="KSOW_STATIC_MEMBERSHIP",
                  help="Join the group as this worker's stable identity (host and data folder): a restart within the "
                       "session timeout takes its partitions back without a rebalance; a stopped worker's partitions "
@@ -184,11 +189,12 @@ def _worker_options(fn):
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
 @click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
 @click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
-def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, static, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, workers, static, loglevel, engine, checkpoint_dir, master, trigger) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
 
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
-    (see docs/spark.md); `--data-dir`, `--web-port` and `--web-host` are for the Faust engine only.
+    (see docs/spark.md); `--data-dir`, `--web-port`, `--web-host` and `--workers` are for the Faust
+    engine only.
     """
     from processor.kafka.config import kafka_config
 
@@ -196,11 +202,24 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     if settings:  # what a worker connects with belongs in its log (secrets masked)
         click.echo(f"Kafka client settings:\n{settings}", err=True)
     if engine == "spark":
+        if workers > 1:
+            _fail("--workers is for the faust engine (Spark runs its own executors: --master)")
         _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
         return
     load_topology(topology) if topology else None
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
     with _bootstrap_or_embedded(bootstrap) as address:
+        if workers > 1:
+            argv = partial(_pool_worker_argv, address, topology, group, data_dir, web_port, web_host, web_bind, guarantee, static, loglevel)
+            # Secrets go to the workers through their environment, not their command lines (`ps`).
+            env = {**os.environ, **{k: v for k, v in (("KSOW_WEB_TOKEN", web_token), ("KSOW_WEB_CERT", web_cert), ("KSOW_WEB_KEY", web_key)) if v}}
+            from processor.runners.faust.pool import WorkerPool
+
+            click.echo(f"ksow: {workers} worker processes, group {group}, bootstrap {address}, {guarantee}", err=True)
+            status = WorkerPool(workers, argv, env, say=lambda line: click.echo(f"ksow: {line}", err=True)).run()
+            if status:
+                sys.exit(status)
+            return
         worker = _worker(address, topology, group, data_dir, web, guarantee, static)
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
         try:
@@ -208,6 +227,25 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         except SystemExit as exc:  # Faust exits when stopped; a failure (the loop failed) keeps its status
             if exc.code not in (None, 0):
                 raise
+
+
+def _pool_worker_argv(address, topology, group, data_dir, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:
+    """The command line of worker i of `ksow up --workers N`: one worker, its own stores and port."""
+    from processor.runners.faust.worker import default_data_dir
+
+    base = Path(data_dir) if data_dir else default_data_dir(group, load_topology(topology))
+    argv = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", address, "--group", group,
+            "--data-dir", str(base / f"worker-{i}"), "--workers", "1", "--processing-guarantee", guarantee, "--loglevel", loglevel]
+    if topology:
+        argv += ["--topology", topology]
+    if web_port:
+        argv += ["--web-port", str(web_port + i)]
+    for option, value in (("--web-host", web_host), ("--web-bind", web_bind)):
+        if value:
+            argv += [option, value]
+    if static:
+        argv.append("--static-membership")
+    return argv
 
 
 def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoint_dir: str | None, master: str, trigger: str) -> None:

@@ -13,15 +13,16 @@ import orjson
 
 from processor.contract import headers as H
 from processor.contract.errors import InputError
-from processor.contract.types import InputMessage, Op, Output
+from processor.contract.types import InputMessage, Op, Output, SowRecord
 from processor.core.codec import Codec
 from processor.core.sow import Transition
 from processor.topology import SowTopic
 
-_OP_BYTES = {op: op.value.encode() for op in Op}
 _KEY, _SEQ, _EXPIRES_AT, _ACTUAL_EXPIRY = H.KEY, H.SEQ, H.EXPIRES_AT, H.ACTUAL_EXPIRY
 _INSERT, _UPDATE = (H.OP, b"insert"), (H.OP, b"update")
 _EXPIRE, _EVICT = Op.EXPIRE, Op.EVICT  # globals: a member looked up on its Enum class costs ~8x more
+# The sow-op header of each removal, found by identity: an Enum member's hash is a Python call.
+_EXPIRE_OP, _EVICT_OP, _DELETE_OP = ((H.OP, op.value.encode()) for op in (Op.EXPIRE, Op.EVICT, Op.DELETE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +39,6 @@ class Streams:
     @classmethod
     def of(cls, spec: SowTopic) -> "Streams":
         return cls(spec.sow_topic, spec.diff_topic, spec.expired_topic, spec.dead_topic, spec.errors_topic, spec.repartition_topic)
-
-
-def _headers(t: Transition, key: bytes, expires_at: int | None) -> list[tuple[str, bytes]]:
-    headers = [(_KEY, key), (H.OP, _OP_BYTES[t.op]), (_SEQ, b"%d" % t.seq)]
-    if expires_at is not None:
-        headers.append((_EXPIRES_AT, b"%d" % expires_at))
-    if t.op is _EXPIRE:
-        headers.append((_ACTUAL_EXPIRY, b"%d" % t.at_ms))
-    return headers
 
 
 Send = Callable[..., None]  # send(topic, partition, key, value, headers, changelog=False, timestamp=0)
@@ -103,15 +95,27 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
         send(streams.sow, p, key, value, headers, True, after.updated_at)
         send(streams.diff, p, key, changes, headers)
         return
-    before = t.before
-    assert before is not None
-    headers = _headers(t, key, before.expires_at)
-    last = before.json if before.json is not None and codec.name == "json" else codec.encode(before.data)
+    assert t.before is not None
+    render_removal(t.op, key, t.before, t.seq, t.at_ms, p, codec, streams, send)
+
+
+def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, p: int, codec: Codec, streams: Streams, send: Send) -> None:
+    """The messages of a delete, expire or evict of `before` (what `render` sends for a removal,
+    without a Transition: the expiry sweep's path)."""
+    headers = [(_KEY, key), _EXPIRE_OP if op is _EXPIRE else _EVICT_OP if op is _EVICT else _DELETE_OP, (_SEQ, b"%d" % seq)]
+    expires_at = before.expires_at
+    if expires_at is not None:
+        headers.append((_EXPIRES_AT, b"%d" % expires_at))
+    if op is _EXPIRE:
+        headers.append((_ACTUAL_EXPIRY, b"%d" % at_ms))
+    last = before.json
+    if last is None or codec.name != "json":
+        last = codec.encode(before.data)
     send(streams.sow, p, key, None, headers, True)
     send(streams.diff, p, key, last, headers)
-    if t.op is _EXPIRE:
+    if op is _EXPIRE:
         send(streams.expired or streams.dead, p, key, last, headers)
-    elif t.op is _EVICT:
+    elif op is _EVICT:
         send(streams.dead, p, key, last, headers)
 
 

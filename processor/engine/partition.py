@@ -23,7 +23,7 @@ from processor.core.expiry import is_due
 from processor.core.filters import compile_filter
 from processor.core.keys import owner_partition
 from processor.core.sow import Transition, apply_write, removal
-from processor.engine.outputs import Send, Streams, render, sender
+from processor.engine.outputs import Send, Streams, render, render_removal, sender
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 _SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: a member looked up on its Enum class costs ~8x more
@@ -137,7 +137,7 @@ class SowPartition:
             if self.expiring and is_due(before.expires_at, now):
                 # Its instant passed before this write came: it expired first, and the write starts anew.
                 state.remove(key)
-                self._emit(removal(_EXPIRE, key, before, now, self.next_seq(now)), out)
+                self._removed(_EXPIRE, key, before, now, out)
                 before = None
         if before is None and self.capacity and stored:
             self._make_room(now, out)
@@ -165,7 +165,7 @@ class SowPartition:
             if state.size() < self.capacity:
                 break
             state.remove(key)
-            self._emit(removal(Op.EVICT, key, victim, now, self.next_seq(now)), out)
+            self._removed(Op.EVICT, key, victim, now, out)
 
     def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None) -> int:
         """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter.
@@ -194,7 +194,7 @@ class SowPartition:
             # A record whose instant has passed was gone before the delete came: it expires.
             op = Op.EXPIRE if expiring and is_due(before.expires_at, now) else Op.DELETE
             state.remove(key)
-            self._emit(removal(op, key, before, now, self.next_seq(now)), out)
+            self._removed(op, key, before, now, out)
             removed += 1
             if removed % chunk == 0:
                 checkpoint(out)
@@ -205,15 +205,16 @@ class SowPartition:
         if not self.policy.active or not self.stored:
             return 0
         state = self.state
+        get, remove, removed = state.get, state.remove, self._removed
         expired = 0
         for at, key in state.due(now):
-            if limit is not None and expired >= limit:
+            if expired == limit:
                 break
-            record = state.get(key)
+            record = get(key)
             if record is None or record.expires_at != at:
                 continue  # updated or deleted since
-            state.remove(key)
-            self._emit(removal(_EXPIRE, key, record, now, self.next_seq(now)), out)
+            remove(key)
+            removed(_EXPIRE, key, record, now, out)
             expired += 1
         return expired
 
@@ -221,7 +222,7 @@ class SowPartition:
         """Remove the given records, telling the world (a `simple` SOW does not survive a restart)."""
         for key, record in list(records):
             self.state.remove(key)
-            self._emit(removal(Op.DELETE, key, record, now, self.next_seq(now)), out)
+            self._removed(Op.DELETE, key, record, now, out)
 
     def reseed(self, records: Iterable[tuple[str, SowRecord]], out: list) -> None:
         """Write the records back to a `.sow` changelog that lost them (deleted and recreated): the same
@@ -242,12 +243,16 @@ class SowPartition:
             self._out, self._send = out, sender(out)
         return self._send
 
-    def _emit(self, t: Transition, out: list | None) -> None:
-        """Render the messages of a transition (out=None: the caller keeps transitions, not messages)."""
+    def _removed(self, op: Op, key: str, before: SowRecord, now: int, out: list | None) -> None:
+        """Tell of a removal the caller made (out=None: the caller keeps transitions, not messages).
+        No Transition is made unless a listener needs one: expiry sweeps remove thousands a second."""
+        seq = self.next_seq(now)
         if out is not None:
-            render(t, self.p, self.codec, self.streams, self._sender(out), self.stored)
-        for listener in self.listeners:
-            listener.on_change(self.p, t, out)
+            render_removal(op, key.encode(), before, seq, now, self.p, self.codec, self.streams, self._sender(out))
+        if self.listeners:
+            t = removal(op, key, before, now, seq)
+            for listener in self.listeners:
+                listener.on_change(self.p, t, out)
 
 
 def scan_matching(records: Callable[[], Iterator[tuple[str, SowRecord]]], predicate) -> Iterator[str]:

@@ -418,7 +418,9 @@ class PartitionStore:
         batch = self.backend.batch()
         put, delete = batch.put, batch.delete
         swept, swept_from = self._due_seek, self._swept_from
+        lo = hi = 0  # an instant strictly between these lies inside the span (no key compare needed)
         if swept is not None:
+            lo, hi = _BE64.unpack_from(swept_from, 1)[0], _BE64.unpack_from(swept, 1)[0]
             # Every committed expiry entry in the span was handed out by due() in this batch and
             # handled: its record expired, or changed since (and its writes below put the new entry
             # back). One range tombstone for them instead of a delete each, which also spares later
@@ -434,8 +436,9 @@ class PartitionStore:
             before = committed[key]
             kb = key.encode()
             if before is not None:
-                if before.expires_at is not None:
-                    entry = _expiry_entry(_instant(before.expires_at), kb)
+                expires = before.expires_at
+                if expires is not None and not lo < expires < hi:
+                    entry = _expiry_entry(_instant(expires), kb)
                     if swept is None or not swept_from <= entry < swept:
                         delete(entry)
                 if indexed:

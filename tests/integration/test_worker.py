@@ -214,3 +214,88 @@ def test_two_workers_split_partitions_and_survive_losing_one(setup, kafka_bootst
     _publish_strict(client, topic, ops[1500:])
     wait_until(lambda: sow_of(client, topic) == _fold(ops), timeout=120, interval=1)
     assert "restored" in w2.log()
+
+
+def test_worker_pool_splits_restarts_and_stops(setup, kafka_bootstrap, tmp_path, admin):
+    """`ksow up --workers 2`: two members of the group share the partitions; one killed is restarted
+    by the pool and the SOW stays exact; SIGTERM stops them all."""
+    import os
+    import re
+    import signal
+
+    topic, _, client = setup
+    group = f"g-{topic}"
+    pool = Worker(kafka_bootstrap, tmp_path / f"{topic}.yaml", group, tmp_path / "pool", "pool", ["--workers", "2"])
+    pool.start(wait=False)
+    try:
+        pool.wait_for("Worker]: Ready", 90, count=2)
+
+        def members():
+            desc = admin.describe_consumer_groups([group])[group].result(30)
+            owned = [sorted(tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic) for m in desc.members]
+            return len(owned) == 2 and all(owned) and sorted(sum(owned, [])) == [0, 1, 2, 3] and owned
+
+        wait_until(members, timeout=90, interval=1)
+        assert sorted(p.name for p in (tmp_path / "pool").iterdir()) == ["worker-0", "worker-1"]
+        ops = _history(200, 3000, seed=3)
+        _publish_strict(client, topic, ops[:1500])
+        wait_until(lambda: sow_of(client, topic) == _fold(ops[:1500]), timeout=90, interval=1)
+
+        pids = [int(p) for p in re.findall(r"worker \d started \(pid (\d+)\)", pool.log())]
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        _publish_strict(client, topic, ops[1500:])
+        pool.wait_for("worker 0 exited with status -9: restarting it", 30)
+        pool.wait_for("worker 0 started", 60, count=2)
+        wait_until(lambda: sow_of(client, topic) == _fold(ops), timeout=120, interval=1)
+        wait_until(members, timeout=90, interval=1)
+
+        pool.signal(signal.SIGTERM)
+        assert pool.proc.wait(90) == 0
+        for pid in re.findall(r"worker \d started \(pid (\d+)\)", pool.log()):
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(pid), 0)
+    finally:
+        pool.kill()
+
+
+def test_an_open_transaction_commits_after_the_interval_or_at_a_stop(setup, kafka_bootstrap, tmp_path):
+    """A transaction stays open across cycles for the commit interval (read_committed readers see
+    nothing of it meanwhile); it commits when the interval has passed, and a stop commits it at
+    once; the worker started again repeats none of its outputs."""
+    import signal
+    import time
+
+    topic, _, client = setup
+    topo, group = tmp_path / f"{topic}.yaml", f"g-{topic}"
+    env = {"KSOW_COMMIT_INTERVAL_MS": "4000"}
+    w = Worker(kafka_bootstrap, topo, group, tmp_path / "d1", "w", env=env).start()
+    try:
+        for i in range(5):
+            client.publish(topic, {"id": i, "qty": i})
+        client.flush()
+        began = time.monotonic()
+        wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.diff")) == 5, timeout=30, interval=0.1)
+        assert time.monotonic() - began > 2  # applied at once, visible only once the interval passed
+
+        for i in range(5, 10):
+            client.publish(topic, {"id": i, "qty": i})
+        client.flush()
+        time.sleep(1.5)  # applied, not committed yet
+        assert len(read_all(kafka_bootstrap, f"{topic}.diff")) == 5
+        w.signal(signal.SIGTERM)
+        assert w.proc.wait(60) == 0
+        assert len(read_all(kafka_bootstrap, f"{topic}.diff")) == 10  # the stop committed them
+
+        again = Worker(kafka_bootstrap, topo, group, tmp_path / "d1", "w2", env=env).start()
+        try:
+            client.publish(topic, {"id": 10, "qty": 10})
+            client.flush()
+            wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.diff")) >= 11, timeout=30, interval=0.2)
+            time.sleep(5)  # a repeat would have committed by now
+            diffs = read_all(kafka_bootstrap, f"{topic}.diff")
+            assert sorted(orjson.loads(m.value())["id"] for m in diffs) == list(range(11))
+        finally:
+            again.kill()
+    finally:
+        w.kill()

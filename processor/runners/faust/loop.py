@@ -7,8 +7,10 @@ transactional producer. Each cycle:
 2. merges the inputs of each owned SOW partition in timestamp order (processor.engine.ordering),
    waiting, at most `max_idle_ms`, for an input that is behind;
 3. applies them with the engine, sweeps expiry and releases conflated view events; every output is
-   produced as the engine makes it, into the cycle's transaction;
-4. sends the input offsets to the transaction and commits it;
+   produced as the engine makes it, into the open transaction;
+4. once the transaction has been open for the commit interval (100 ms; Kafka Streams'
+   commit.interval.ms), sends the input offsets to it and commits it, else leaves it open for the
+   next cycles (a rebalance, a restore or a stop commits it first);
 5. then commits the stores with their changelog positions.
 
 A crash before 4 completes aborts the transaction: no output is visible to `read_committed`
@@ -75,13 +77,19 @@ class LoopSettings:
     # None: 50,000, or 20,000 when a topic has expiry or conflated views (measured in bench/expiry.py:
     # p99 lateness under a backlog 343 ms with 50,000, 169 ms with 20,000).
     batch_max: int | None = None
-    chunk: int = 1000  # inputs applied between two looks at the expiry clock
+    chunk: int = 250  # inputs applied between two looks at the expiry clock (~10 ms of work here: the sweeps' gap)
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     # How long after a message was fetched, or after its timestamp, any message appended to a
     # caught-up input before it has surely been fetched too (more than a fetch round trip): until
     # then the merge does not take it past what that input may still deliver. 0: it does not wait.
     order_grace_ms: int = 20
     expiry_tick_ms: int = 25  # between expiry sweeps
+    # How long a transaction may stay open across cycles (Kafka Streams' commit.interval.ms, 100 ms
+    # under exactly-once): a cycle that only swept a few expiries, or applied a few inputs, leaves it
+    # open for the next ones instead of paying a commit's round trips each time (measured: a
+    # commit every 25 ms sweep took half the loop's time while records came due). Outputs become
+    # visible to read_committed readers when it commits. 0: every cycle commits.
+    commit_interval_ms: int = 100
     # While records expire: how long a cycle applies inputs before it commits (the inputs left go
     # with the next cycle). The gap between two sweeps is about the commit of such a cycle and one chunk.
     timed_cycle_ms: int = 200
@@ -107,6 +115,7 @@ class LoopSettings:
             batch_max=positive_env("KSOW_BATCH_MAX"),
             max_idle_ms=positive_env("KSOW_MAX_TASK_IDLE_MS", int, cls.max_idle_ms),
             order_grace_ms=positive_env("KSOW_ORDER_GRACE_MS", int, cls.order_grace_ms, zero=True),
+            commit_interval_ms=positive_env("KSOW_COMMIT_INTERVAL_MS", int, cls.commit_interval_ms, zero=True),
             timed_cycle_ms=positive_env("KSOW_TIMED_CYCLE_MS", int, cls.timed_cycle_ms),
             queue_high=positive_env("KSOW_QUEUE_HIGH", int, cls.queue_high),
             max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
@@ -183,8 +192,9 @@ def _too_large(o: Output, limit: int) -> Output:
 
 
 class _Batch:
-    """The outputs of one cycle, produced as the engine gives them, into the cycle's transaction
-    (begun with its first output): librdkafka sends while the engine goes on applying, so the
+    """The outputs and input offsets of one transaction (one cycle, or several within the commit
+    interval), produced as the engine gives them (begun with its first output): librdkafka sends
+    while the engine goes on applying, so the
     commit waits only for the tail, and a delete or a sweep that removes many records never holds
     its outputs in memory. Never raises: a failure is kept and fails the commit (an input must not
     be blamed for it).
@@ -194,10 +204,13 @@ class _Batch:
     failed delivery fails the commit, so no other report is asked for (a Python callback per message
     cost ~1 us of the loop's ~20 per input); at-least-once needs one per message to catch failures."""
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog", "reported")
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog", "reported", "offsets", "applied", "began")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
+        self.offsets: dict[tuple[str, int], int] = {}  # input partition -> offset after the last input applied
+        self.applied: Counter = Counter()  # inputs applied per SOW topic (the metrics)
+        self.began = time.monotonic()
         self.produce = loop.producer.produce
         self.positions = _Positions()
         self.failures = None if loop.eos else _Failures()
@@ -342,6 +355,7 @@ class SowLoop:
         self._cycle_began = 0.0
         self._cycle_expired = 0  # records the cycle's sweeps expired so far
         self._in_txn = False
+        self._open: _Batch | None = None  # a batch left open by the last cycle (commit interval)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
@@ -399,7 +413,7 @@ class SowLoop:
         gc.freeze()
         gc.set_threshold(100_000, 50, 1000)
         inputs = [t for engine in self.engines.values() for t in engine.inputs]
-        self.consumer.subscribe(inputs, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        self.consumer.subscribe(inputs, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
         log.info("loop: %s, transactional.id %s, inputs %s", self.settings.guarantee.value, self.transactional_id if self.eos else "-", ", ".join(inputs))
         try:
             while not self._stop.is_set():
@@ -416,6 +430,7 @@ class SowLoop:
                     time.sleep(0.5)
                 finally:
                     gc.enable()
+            self._commit_open()  # stopping: what the last cycles applied is committed, not redone
         finally:
             self._close()
 
@@ -484,8 +499,21 @@ class SowLoop:
             uncommitted.close()
 
     def _on_revoke(self, consumer, partitions) -> None:
-        """Nothing is in flight here (a transaction never spans consume()): forget the partitions.
-        Their stores stay open, parked, in case they come back (then they need no full restore)."""
+        """Commit the transaction left open (this worker still owns the partitions until it returns;
+        Kafka Streams commits here too), then forget the partitions. Their stores stay open, parked,
+        in case they come back (then they need no full restore)."""
+        self._commit_open(rewind=False)  # a failure aborts it: the next owner reads those inputs again
+        self._forget(partitions)
+
+    def _on_lost(self, consumer, partitions) -> None:
+        """The partitions are someone else's already (the session timed out): what is open cannot
+        commit, so it is aborted."""
+        if self._open is not None or self._in_txn:
+            self._open = None
+            self._abort("partitions lost")
+        self._forget(partitions)
+
+    def _forget(self, partitions) -> None:
         for tp in partitions:
             found = self._task_of_input.pop((tp.topic, tp.partition), None)
             self._committed.pop((tp.topic, tp.partition), None)
@@ -514,6 +542,10 @@ class SowLoop:
         if self._release_at:
             wait = min(wait, max(0.001, self._release_at - mono))
             self._release_at = 0.0
+        out = self._open
+        interval = self.settings.commit_interval_ms / 1000
+        if out is not None:  # an open transaction commits on time, inputs or not
+            wait = min(wait, max(0.001, out.began + interval - mono))
         messages = self.consumer.consume(self.batch_max, wait)
         if _KILLS:
             _kill("consumed")
@@ -522,17 +554,19 @@ class SowLoop:
         self._cycle_began = time.monotonic()
         self._cycle_expired = 0
         if any(not t.restored for t in self.tasks.values()):
-            self._restore_pending()
-        out = _Batch(self)
-        offsets: dict[tuple[str, int], int] = {}
-        applied: Counter = Counter()
+            self._restore_pending()  # commits an open batch first
+        out = self._open or _Batch(self)
+        self._open = None  # while the cycle runs, `out` is the only batch (a failure forgets it)
         for engine in self.engines.values():
-            n = self._apply(engine, out, offsets)
+            n = self._apply(engine, out, out.offsets)
             if n:
-                applied[engine.spec.topic] += n
+                out.applied[engine.spec.topic] += n
         self._sweep_if_due(out)
-        if out.sent or offsets or self._in_txn:
-            self._commit(out, offsets, applied)
+        if out.sent or out.offsets or self._in_txn:
+            if time.monotonic() - out.began >= interval or self._stop.is_set():
+                self._commit(out, out.offsets, out.applied)
+            else:
+                self._open = out
         self._flow_control()
 
     def _file(self, messages) -> None:
@@ -666,6 +700,11 @@ class SowLoop:
         if release > time.monotonic() and (not self._release_at or release < self._release_at):
             self._release_at = release
 
+    def _commit_open(self, rewind: bool = True) -> bool:
+        """Commit the batch the last cycle left open, if any (before a restore, a rebalance, a stop)."""
+        out, self._open = self._open, None
+        return out is None or self._commit(out, out.offsets, out.applied, rewind)
+
     def _checkpoint(self, out: "_Batch") -> None:
         """Commit, in the middle of an input that removes many records, what is done so far: its
         outputs and store changes, with the offsets of the inputs applied before it (not its own, so
@@ -709,9 +748,10 @@ class SowLoop:
                 engine.release_views(task.p, now, out)
 
     # commit ---------------------------------------------------------------------------------
-    def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter) -> bool:
+    def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter, rewind: bool = True) -> bool:
         """Commit the transaction (outputs and input offsets), then the stores. False when it could
-        not: the batch was aborted and rolled back (`_recover`).
+        not: the batch was aborted and rolled back, and with `rewind` the inputs sought back to the
+        committed offsets (`_recover`; a rebalance callback has its partitions taken from it anyway).
 
         The broker's part (the tail of the outputs, the offsets, the commit: round trips that release
         the GIL) runs on the committer thread while this one builds the stores' write batches, which
@@ -739,7 +779,10 @@ class SowLoop:
             if positions.failed or (failures and failures.errors):
                 raise KafkaException((positions.failed or failures.errors)[0])
         except KafkaException as exc:
-            self._recover(exc)
+            if rewind:
+                self._recover(exc)
+            else:
+                self._abort(exc.args[0] if exc.args else exc)
             return False
         self._committed.update(committing)
         if _KILLS:
@@ -801,10 +844,25 @@ class SowLoop:
     def _recover(self, exc: KafkaException) -> None:
         """A batch that could not commit (fenced, a rebalance took the partitions, a broker error):
         abort it, forget everything it changed and read its inputs again from the committed offsets."""
-        err = exc.args[0] if exc.args else None
+        self._abort(exc.args[0] if exc.args else exc)
+        assigned = self.consumer.assignment()
+        self._committed.clear()
+        if assigned:
+            committed = self.consumer.committed(assigned, 30)
+            self._remember_committed(committed)
+            for tp in committed:
+                tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
+                self.consumer.seek(tp)
+
+    def _abort(self, err: object) -> None:
+        """Abort the open transaction and forget everything it changed: the stores' staged writes, the
+        queued inputs, the views' holds (restored before going on). Where the consumer reads from
+        next is the caller's: `_recover` seeks back to the committed offsets; in a rebalance callback
+        every partition goes (eager rebalancing) and the next assignment starts from them."""
         log.warning("batch not committed, aborting it: %s", err)
         metrics.ABORTED.inc()
         self._applying = None
+        self._open = None
         if self.eos and self._in_txn:
             self._in_txn = False
             try:
@@ -821,23 +879,15 @@ class SowLoop:
                 q.clear()
             task.at_end = [False, False, False]
             task.tops = [0, 0, 0]
-            task.fetched = [-1, -1, -1]  # the consumer is sought back below
+            task.fetched = [-1, -1, -1]  # the consumer is sought back (see above)
             task.restored = False  # views' holds and the store are read back before going on
-        assigned = self.consumer.assignment()
-        self._committed.clear()
-        if assigned:
-            committed = self.consumer.committed(assigned, 30)
-            self._remember_committed(committed)
-            for tp in committed:
-                tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
-                self.consumer.seek(tp)
 
     # restore --------------------------------------------------------------------------------
     def _restore_pending(self) -> None:
         """Bring every newly assigned SOW partition up to date before any of its inputs is applied:
         its store from `<topic>.sow`, its conflated views' holds from `<topic>.holds`."""
         pending = [t for t in self.tasks.values() if not t.restored]
-        if not pending:
+        if not pending or not self._commit_open():
             return
         out = _Batch(self)
         now = time.time_ns() // 1_000_000

@@ -1,0 +1,69 @@
+"""The worker pool of `ksow up --workers N`, with real processes standing in for workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+from processor.runners.faust import pool as pool_module
+from processor.runners.faust.pool import WorkerPool
+
+
+def _python(code: str):
+    return lambda i: [sys.executable, "-c", code, str(i)]
+
+
+def test_a_worker_that_keeps_failing_at_start_stops_the_pool(monkeypatch):
+    monkeypatch.setattr(pool_module, "QUICK_EXIT_S", 5.0)
+    said: list[str] = []
+    status = WorkerPool(2, _python("import sys, time; sys.exit(3) if sys.argv[1] == '1' else time.sleep(30)"), say=said.append).run()
+    assert status == 1
+    assert said.count("worker 1 exited with status 3: restarting it in 1s") == 1
+    assert said.count("worker 1 exited with status 3: restarting it in 2s") == 1
+    assert said[-1] == "worker 1 exited 3 times within 5s of its start: stopping"
+    assert sum("worker 0 exited" in line for line in said) == 0
+
+
+def test_sigterm_stops_every_worker_and_a_dead_one_is_restarted(tmp_path):
+    marks = tmp_path / "starts"
+    code = f"import sys, time; open({str(marks)!r}, 'a').write(sys.argv[1] + '\\n'); time.sleep(60)"
+    said: list[str] = []
+    pool = WorkerPool(2, _python(code), say=said.append)
+
+    def drive():
+        for _ in range(100):  # both started
+            if marks.exists() and len(marks.read_text().split()) == 2:
+                break
+            threading.Event().wait(0.1)
+        os.kill(pool.members[1].proc.pid, signal.SIGKILL)
+        for _ in range(100):  # restarted
+            if marks.read_text().split().count("1") == 2:
+                break
+            threading.Event().wait(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    procs = []
+    original = pool._start
+
+    def start(member):
+        original(member)
+        procs.append(member.proc)
+
+    pool._start = start  # type: ignore[method-assign]
+    assert pool.run() == 0
+    driver.join()
+    assert marks.read_text().split().count("1") == 2
+    assert "worker 1 exited with status -9: restarting it in 1s" in said
+    # worker 0, worker 1 (killed), worker 1 again: the pool's SIGTERM ended the two left
+    assert [p.poll() for p in procs] == [-signal.SIGTERM, -signal.SIGKILL, -signal.SIGTERM]
+
+
+def test_a_pool_has_workers():
+    with pytest.raises(ValueError):
+        WorkerPool(0, _python("pass"))
