@@ -29,10 +29,7 @@ class MemoryBackend:
     def write(self, batch: "_Writes") -> None:
         data = self._data
         for op in batch:
-            if len(op) == 3:
-                for key in list(data.irange(op[0], op[1], inclusive=(True, False))):
-                    del data[key]
-            elif op[1] is None:
+            if op[1] is None:
                 data.pop(op[0], None)
             else:
                 data[op[0]] = op[1]
@@ -52,6 +49,3 @@ class _Writes(list):
 
     def delete(self, key: bytes) -> None:
         self.append((key, None))
-
-    def delete_range(self, start: bytes, stop: bytes) -> None:
-        self.append((start, stop, True))

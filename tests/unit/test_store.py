@@ -150,8 +150,9 @@ def test_due_after_a_partial_sweep_or_a_rollback(store):
 
 
 def test_a_sweep_clears_the_entries_it_went_past_and_keeps_those_written_in_its_batch(store):
-    """The commit after a sweep drops the expiry entries the sweep went past in one range; entries
-    the same batch writes there (a record updated meanwhile, a new one) stay, the rest of the index too."""
+    """The commit after a sweep deletes the expiry entries the sweep went past; entries the same
+    batch writes among them (a record updated meanwhile, a new one) stay, the rest of the index too,
+    and the next sweep finds what was written before the last entry it went past."""
     for i in range(4):
         store.stage(f"k{i}", rec({"i": i}, i, 100 + i))
     store.commit()
