@@ -120,17 +120,23 @@ def _topology_for_worker(topology: str | None):
     return topo
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False):
+def _loop_settings(guarantee: str | None, static: bool):
+    """The worker loop's settings from the options and the environment (exit 1 on a bad one)."""
     from processor.contract.errors import ConfigError
     from processor.runners.faust.loop import Guarantee, LoopSettings
+
+    try:
+        return LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None, static_membership=static or None)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False):
     from processor.runners.faust.worker import SowWorker
 
     topo = _topology_for_worker(topology)
     topology_dir = Path(topology).resolve().parent.parent if topology else None
-    try:
-        settings = LoopSettings.from_env(guarantee=Guarantee(guarantee) if guarantee else None, static_membership=static or None)
-    except ConfigError as exc:
-        _fail(str(exc))
+    settings = _loop_settings(guarantee, static)
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
                      settings=settings, web=web)
 
@@ -208,6 +214,9 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         return
     load_topology(topology) if topology else None
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
+    if workers > 1:  # what each worker would refuse stops the pool before anything starts
+        _topology_for_worker(topology)
+        _loop_settings(guarantee, static)
     with _bootstrap_or_embedded(bootstrap) as address:
         if workers > 1:
             argv = partial(_pool_worker_argv, address, topology, group, data_dir, web_port, web_host, web_bind, guarantee, static, loglevel)

@@ -89,10 +89,19 @@ def test_up_refuses_a_bad_loop_setting_before_connecting(run, monkeypatch, name,
     assert result.exit_code == 1 and f"{name} must be a positive integer, got '{value}'" in result.output
 
 
-def test_up_refuses_a_negative_order_grace(run, monkeypatch):
-    monkeypatch.setenv("KSOW_ORDER_GRACE_MS", "-1")
-    result = run("up", *NOWHERE, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
-    assert result.exit_code == 1 and "KSOW_ORDER_GRACE_MS must be a non-negative integer, got '-1'" in result.output
+@pytest.mark.parametrize("name", ["KSOW_ORDER_GRACE_MS", "KSOW_COMMIT_INTERVAL_MS"])
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_up_refuses_a_negative_order_grace_or_commit_interval(run, monkeypatch, name, workers):
+    """Also a pool of workers (`--workers 3`) refuses it before it starts any."""
+    monkeypatch.setenv(name, "-1")
+    result = run("up", *NOWHERE, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created", "--workers", workers)
+    assert result.exit_code == 1 and f"{name} must be a non-negative integer, got '-1'" in result.output
+    assert "worker 0 started" not in result.output
+
+
+def test_up_takes_worker_processes_for_the_faust_engine_only(run):
+    result = run("up", *NOWHERE, "--engine", "spark", "--workers", "2")
+    assert result.exit_code == 1 and "--workers is for the faust engine" in result.output
 
 
 def test_loop_settings_from_the_environment(monkeypatch):
