@@ -215,11 +215,13 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     load_topology(topology) if topology else None
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
     if workers > 1:  # what each worker would refuse stops the pool before anything starts
-        _topology_for_worker(topology)
+        from processor.runners.faust.worker import default_data_dir
+
         _loop_settings(guarantee, static)
+        base = Path(data_dir) if data_dir else default_data_dir(group, _topology_for_worker(topology))
     with _bootstrap_or_embedded(bootstrap) as address:
         if workers > 1:
-            argv = partial(_pool_worker_argv, address, topology, group, data_dir, web_port, web_host, web_bind, guarantee, static, loglevel)
+            argv = partial(_pool_worker_argv, address, topology, group, base, web_port, web_host, web_bind, guarantee, static, loglevel)
             # Secrets go to the workers through their environment, not their command lines (`ps`).
             env = {**os.environ, **{k: v for k, v in (("KSOW_WEB_TOKEN", web_token), ("KSOW_WEB_CERT", web_cert), ("KSOW_WEB_KEY", web_key)) if v}}
             from processor.runners.faust.pool import WorkerPool
@@ -238,11 +240,8 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
                 raise
 
 
-def _pool_worker_argv(address, topology, group, data_dir, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:
-    """The command line of worker i of `ksow up --workers N`: one worker, its own stores and port."""
-    from processor.runners.faust.worker import default_data_dir
-
-    base = Path(data_dir) if data_dir else default_data_dir(group, load_topology(topology))
+def _pool_worker_argv(address, topology, group, base: Path, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:
+    """The command line of worker i of `ksow up --workers N`: one worker, its stores under `base`, its port."""
     argv = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", address, "--group", group,
             "--data-dir", str(base / f"worker-{i}"), "--workers", "1", "--processing-guarantee", guarantee, "--loglevel", loglevel]
     if topology:

@@ -509,7 +509,6 @@ class SowLoop:
         """The partitions are someone else's already (the session timed out): what is open cannot
         commit, so it is aborted."""
         if self._open is not None or self._in_txn:
-            self._open = None
             self._abort("partitions lost")
         self._forget(partitions)
 
