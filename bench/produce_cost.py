@@ -1,0 +1,71 @@
+"""What producing an expiry's messages costs the worker's loop thread, whatever the engine does.
+
+    python bench/produce_cost.py [-n 100000] [--rate 16667]
+
+An expiry sends three messages (`.sow` tombstone, `.diff`, `EXP.`), each with the five headers
+the contract gives a removal. This produces `-n` such messages into one open transaction with the
+worker's producer settings, then the same messages without headers, and prints the calling
+thread's CPU time per message (librdkafka's own threads are not counted: they run beside it).
+At `--rate` expiries a second (bench/expiry.py: 1,000,000 instants over 60 s) the three produces
+alone take a share of one core, which no stream applied by the same process can use: the
+throughput ratio of bench/expiry.py with one worker process cannot exceed 1 minus that share.
+Last line: `produce: X us a message with headers, Y us without, an expiry's three Z us, S of a
+core at R expiries/s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import create_topics, kafka_bootstrap, log, unique_name  # noqa: E402
+from processor.kafka.clients import make_producer  # noqa: E402
+
+PARTITIONS = 4
+
+
+def per_message(producer, topic: str, n: int, headers) -> float:
+    """Thread CPU microseconds a produce() call costs (the worker's positional call)."""
+    value, key = b'{"id":1,"px":0.5,"side":"B","desk":"d1"}', b'["exp",1]'
+    began = time.thread_time()
+    for i in range(n):
+        producer.produce(topic, value, key, i % PARTITIONS, None, None, 0, headers)
+    spent = time.thread_time() - began
+    producer.flush(60)
+    return spent / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", type=int, default=100_000, help="messages per measurement")
+    parser.add_argument("--rate", type=float, default=1_000_000 / 60, help="expiries a second")
+    args = parser.parse_args()
+    headers = [("sow-key", b'["exp",1]'), ("sow-op", b"expire"), ("sow-seq", b"1795000000000000001"),
+               ("sow-expires-at", b"1795000000000"), ("sow-actual-expiry", b"1795000000021")]
+    with kafka_bootstrap() as bootstrap:
+        topic = unique_name("produce_cost")
+        create_topics(bootstrap, {topic: (PARTITIONS, {})})
+        producer = make_producer(bootstrap, **{"transactional.id": unique_name("produce_cost"), "linger.ms": 20})
+        producer.init_transactions(60)
+        producer.begin_transaction()
+        per_message(producer, topic, min(args.n, 10_000), headers)  # warm-up: connections, buffers
+        with_headers = per_message(producer, topic, args.n, headers)
+        without = per_message(producer, topic, args.n, None)
+        producer.commit_transaction(60)
+    expiry = 3 * with_headers
+    share = expiry * args.rate / 1e6
+    log(f"{args.n:,} messages each, one transaction, calling thread CPU")
+    print(f"  with the five headers of a removal: {with_headers:.2f} us a message")
+    print(f"  without headers:                    {without:.2f} us a message")
+    print(f"  an expiry's three messages: {expiry:.1f} us; at {args.rate:,.0f} expiries/s {share:.0%} of one core "
+          f"(a one-process throughput ratio of at most {max(0.0, 1 - share):.2f} in bench/expiry.py)")
+    print(f"produce: {with_headers:.2f} us a message with headers, {without:.2f} us without, "
+          f"an expiry's three {expiry:.1f} us, {share:.2f} of a core at {args.rate:,.0f} expiries/s")
+
+
+if __name__ == "__main__":
+    main()
