@@ -67,9 +67,9 @@ def run_demo(bootstrap: str, topology_path: str | None, duration: float) -> None
     console.print(f"[bold]ksow demo[/]: worker for [bold]{topic}[/] starting (log {data_dir / 'worker.log'})")
     client = Client(bootstrap, topology)
     stop = threading.Event()
+    publisher = threading.Thread(target=_publisher, args=(client, topic, stop), daemon=True)
     try:
         _wait_for_topics(client, topic, worker)
-        publisher = threading.Thread(target=_publisher, args=(client, topic, stop), daemon=True)
         publisher.start()
         console.print(f"publishing sample orders (full and delta publishes, in order) to [bold]{topic}[/]; "
                       f"subscribed with sow_and_delta_subscribe (oof) to the SOW of {topic}\n")
@@ -89,6 +89,8 @@ def run_demo(bootstrap: str, topology_path: str | None, duration: float) -> None
         pass
     finally:
         stop.set()
+        if publisher.is_alive():
+            publisher.join(10)  # its last publish is flushed before the client closes
         client.close()
         worker.terminate()
         try:

@@ -94,7 +94,11 @@ class Client:
         return self._producer
 
     def _remember_error(self, error: KafkaError) -> None:
-        """Keep the producer's last error: a flush that times out says why (refused login, ...)."""
+        """Keep the producer's last error: a flush that times out says why (refused login, ...).
+        "All brokers are down" follows its cause (a refused login, a refused connection) and does
+        not replace it (librdkafka before 2.13 reports it after an authentication failure)."""
+        if error.code() == KafkaError._ALL_BROKERS_DOWN and self._producer_error is not None:
+            return
         self._producer_error = error
 
     def _encode(self, spec: SowTopic, record: Any) -> tuple[bytes, dict]:
@@ -195,7 +199,13 @@ class Client:
             raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, f"messages not delivered in {timeout:g}s{cause}"))
 
     def close(self) -> None:
-        self.flush()
+        """Deliver what was published, then let the producer go: its threads end now, not at
+        interpreter exit (by when a broker the caller started may be gone, and librdkafka logs
+        failed reconnections). A later publish makes a new one."""
+        try:
+            self.flush()
+        finally:
+            self._producer = None
 
     # reading the SOW ----------------------------------------------------------------------
     def _parse(self, codec: Codec, msg) -> SowMessage | None:
