@@ -3,7 +3,7 @@
     python bench/produce_cost.py [-n 100000] [--rate 16667]
 
 An expiry sends three messages (`.sow` tombstone, `.diff`, `EXP.`), each with the five headers
-the contract gives a removal. This produces `-n` such messages into one open transaction with the
+the contract gives a removal, as the engine renders them (`outputs.render_removal`). This produces `-n` such messages into one open transaction with the
 worker's producer settings, then the same messages without headers, and prints the calling
 thread's CPU time per message (librdkafka's own threads are not counted: they run beside it).
 At `--rate` expiries a second (bench/expiry.py: 1,000,000 instants over 60 s) the three produces
@@ -23,17 +23,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import create_topics, kafka_bootstrap, log, unique_name  # noqa: E402
+from processor.contract.types import Op, SowRecord  # noqa: E402
+from processor.core.codec import JsonCodec  # noqa: E402
+from processor.engine.outputs import Streams, render_removal  # noqa: E402
 from processor.kafka.clients import make_producer  # noqa: E402
 
 PARTITIONS = 4
 
 
-def per_message(producer, topic: str, n: int, headers) -> float:
+def expiry_messages() -> list[tuple]:
+    """The (key, value, headers) of the three messages the engine renders for one expiry."""
+    streams = Streams("x.sow", "x.diff", "EXP.x", "x.dead", "x.errors", "x.repartition")
+    record = SowRecord({"id": 1, "px": 0.5, "side": "B", "desk": "d1"}, 1795000000000 << 10, 1795000000000, 1794999940000)
+    sent: list[tuple] = []
+    render_removal(Op.EXPIRE, b'["exp",1]', record, (1795000000021 << 10) | 1, 1795000000021, 0, JsonCodec(), streams,
+                   lambda topic, p, key, value, headers, changelog=False, timestamp=0: sent.append((key, value, headers)))
+    return sent
+
+
+def per_message(producer, topic: str, n: int, messages: list[tuple], headers: bool = True) -> float:
     """Thread CPU microseconds a produce() call costs (the worker's positional call)."""
-    value, key = b'{"id":1,"px":0.5,"side":"B","desk":"d1"}', b'["exp",1]'
     began = time.thread_time()
     for i in range(n):
-        producer.produce(topic, value, key, i % PARTITIONS, None, None, 0, headers)
+        key, value, with_headers = messages[i % 3]
+        producer.produce(topic, value, key, i % PARTITIONS, None, None, 0, with_headers if headers else None)
     spent = time.thread_time() - began
     producer.flush(60)
     return spent / n * 1e6
@@ -44,17 +57,16 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=100_000, help="messages per measurement")
     parser.add_argument("--rate", type=float, default=1_000_000 / 60, help="expiries a second")
     args = parser.parse_args()
-    headers = [("sow-key", b'["exp",1]'), ("sow-op", b"expire"), ("sow-seq", b"1795000000000000001"),
-               ("sow-expires-at", b"1795000000000"), ("sow-actual-expiry", b"1795000000021")]
+    messages = expiry_messages()
     with kafka_bootstrap() as bootstrap:
         topic = unique_name("produce_cost")
         create_topics(bootstrap, {topic: (PARTITIONS, {})})
         producer = make_producer(bootstrap, **{"transactional.id": unique_name("produce_cost"), "linger.ms": 20})
         producer.init_transactions(60)
         producer.begin_transaction()
-        per_message(producer, topic, min(args.n, 10_000), headers)  # warm-up: connections, buffers
-        with_headers = per_message(producer, topic, args.n, headers)
-        without = per_message(producer, topic, args.n, None)
+        per_message(producer, topic, min(args.n, 10_000), messages)  # warm-up: connections, buffers
+        with_headers = per_message(producer, topic, args.n, messages)
+        without = per_message(producer, topic, args.n, messages, headers=False)
         producer.commit_transaction(60)
     expiry = 3 * with_headers
     share = expiry * args.rate / 1e6
