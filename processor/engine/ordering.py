@@ -23,19 +23,18 @@ about to take: appended to the log after the fetch that found it caught up. The 
 key such messages come after (a grace period after which any message appended earlier has been
 fetched) and hands it in as that partition's bound: see the runner's order grace.
 
-A merge takes at most a cycle's worth of entries (the runner's batch size): whatever the backlog,
-one transaction and one store commit stay bounded, and so does the time between two expiry sweeps.
-The entries past it stay queued and go, in order, with the next merge.
+A merge takes at most `limit` entries: the runner merges a chunk at a time, as it applies them, so
+it can end a cycle between two chunks (one transaction and one store commit stay bounded, and so
+does the time between two expiry sweeps) without merging more than it applies. The entries past the
+limit stay queued and go, in order, with the next merge, which costs in proportion to the limit,
+not to the backlog queued.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import takewhile
-from typing import Any, Callable, Sequence
-
-# An entry is (sort time, rank, partition, offset, item).
-Entry = tuple[int, int, int, int, Any]
+from itertools import islice, takewhile
+from typing import Sequence
 
 _NO_BOUND = (float("inf"),)
 
@@ -43,7 +42,8 @@ _NO_BOUND = (float("inf"),)
 def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool = False,
                    caught_up: Sequence[tuple | None] | None = None, limit: int | None = None) -> list:
     """Pop every entry that can be applied now from FIFO queues of entries (each in increasing
-    order), at most the `limit` first of them, and return them in merged order.
+    order; an entry is (sort time, rank, partition, offset, item)), at most the `limit` first of
+    them, and return them in merged order.
 
     `behind[i]` says queue i may receive older entries that are not fetched yet: nothing past the
     last entry of such a queue may go (nothing at all while one is empty), unless `force`.
@@ -66,8 +66,9 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
     if limit is not None and sum(map(len, queues)) > limit:
         # The first `limit` of the entries that may go: the last of them bounds what goes now, and
         # the rest stay queued for the next merge, where they meet what arrives meanwhile in order.
-        ready = [e for q in queues for e in (q if bound is _NO_BOUND else takewhile(bound.__ge__, q))]
-        if len(ready) > limit:
+        # Each queue is in order, so they are among the first `limit` that may go of each queue.
+        ready = [e for q in queues for e in islice(q if bound is _NO_BOUND else takewhile(bound.__ge__, q), limit)]
+        if len(ready) >= limit:
             ready.sort()  # runs of already ordered entries
             bound = ready[limit - 1]
     taken: list = []
@@ -86,10 +87,3 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
     if live > 1:
         taken.sort()  # runs of already ordered entries: timsort merges them in C
     return taken
-
-
-def requeue(entries: Sequence[Entry], queue_of: Callable[[Entry], deque]) -> None:
-    """Put back, at the front of their queues, the entries a merge took that were not applied (the
-    tail of what it returned): the next merge takes them again, first."""
-    for entry in reversed(entries):
-        queue_of(entry).appendleft(entry)

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from processor.engine import ordering
-from processor.engine.ordering import requeue
 
 
 def drain_in_order(*args, **kwargs) -> list:
@@ -103,26 +102,16 @@ def test_nothing_passes_what_a_caught_up_input_may_still_deliver(streams, data):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(stamps, min_size=1, max_size=5), st.integers(1, 40), st.data())
 def test_a_limited_merge_takes_the_first_entries_and_leaves_the_rest_in_order(streams, limit, data):
-    """A cycle takes at most `limit` entries: slice after slice, the same order as one whole merge,
-    and never past what an input that is behind may still deliver."""
+    """The runner merges a chunk at a time (at most `limit` entries): slice after slice, the same
+    order as one whole merge, and never past what an input that is behind, or the bound of one
+    that is caught up, may still deliver."""
     behind = [data.draw(st.booleans()) for _ in streams]
-    whole = drain_in_order([entries(i % 3, s, i // 3) for i, s in enumerate(streams)], behind)
+    cut = data.draw(st.integers(0, 60))
+    caught_up = [data.draw(st.sampled_from([None, (cut, float("inf"))])) for _ in streams]
+    whole = drain_in_order([entries(i % 3, s, i // 3) for i, s in enumerate(streams)], behind, caught_up=caught_up)
     queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
     sliced: list = []
-    while part := drain_in_order(queues, behind, limit=limit):
+    while part := drain_in_order(queues, behind, caught_up=caught_up, limit=limit):
         assert len(part) <= limit
         sliced += part
     assert sliced == whole
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(stamps, min_size=1, max_size=5), st.integers(0, 40))
-def test_entries_put_back_are_taken_again_first_in_the_same_order(streams, applied):
-    """A cycle that ends early puts back what it did not apply: the order is the same as if it had
-    applied everything."""
-    whole = drain_in_order([entries(i % 3, s, i // 3) for i, s in enumerate(streams)], [False] * len(streams))
-    queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
-    taken = ordering.drain_in_order(queues, [False] * len(queues))
-    requeue(taken[applied:], lambda e: queues[e[2] * 3 + e[1]])
-    again = drain_in_order(queues, [False] * len(queues))
-    assert [e[4] for e in taken[:applied]] + again == whole

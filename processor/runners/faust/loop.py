@@ -50,7 +50,7 @@ from processor.contract.errors import BatchAborted, ConfigError
 from processor.contract.limits import positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
-from processor.engine.ordering import drain_in_order, requeue
+from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
 from processor.runners.faust import metrics
@@ -635,39 +635,43 @@ class SowLoop:
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
         caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
-        limit = self.batch_max
-        taken = drain_in_order(queues, behind, force, caught_up, limit)
-        if len(taken) == limit and any(queues):
-            self._more = True
-        elif caught_up is not None and any(queues):
-            self._hold(topic, queues)
-        if not taken:  # blocked: an input that is behind may still hold older entries; the wait starts now
-            self._waiting_since.setdefault(topic, time.monotonic())
-            return 0
-        # Progress resets the wait: it bounds how long the merge is stuck, not how long some input
-        # has been empty (during a long backlog the bounding input is emptied by every drain).
-        self._waiting_since.pop(topic, None)
-        inputs = [entry[4] for entry in taken]
-        step = self.settings.chunk
-        for start in range(0, len(inputs), step):
+        limit, step = self.batch_max, self.settings.chunk
+        applied, blocked = 0, False
+        while applied < limit:
             # The expiry clock is looked at before every chunk: the first one comes after a commit,
             # a store commit and a consume, long enough for due records.
             self._sweep_if_due(out)
-            if start and self._cycle_full():
-                by_partition = {t.p: t for t in tasks}
-                requeue(taken[start:], lambda entry: by_partition[entry[2]].queues[entry[1]])
-                self._more = True
-                inputs = inputs[:start]
+            if applied and self._cycle_full():
                 break
-            chunk = inputs[start:start + step]
-            self._applying = (engine, chunk, offsets)
-            engine.handle(chunk, time.time_ns() // 1_000_000, out)
-            for m in chunk:
-                offsets[(m.topic, m.partition)] = m.offset + 1
-            self._applying = None
-        if _KILLS:
+            # Merged a chunk at a time, as it is applied: a cycle cut short leaves the rest queued
+            # as it was, and a merge costs in proportion to what it takes, not to the backlog.
+            want = min(step, limit - applied)
+            taken = drain_in_order(queues, behind, force, caught_up, want)
+            if taken:
+                # Progress resets the wait: it bounds how long the merge is stuck, not how long some
+                # input has been empty (during a long backlog the bounding input is emptied by every drain).
+                self._waiting_since.pop(topic, None)
+                chunk = [entry[4] for entry in taken]
+                self._applying = (engine, chunk, offsets)
+                engine.handle(chunk, time.time_ns() // 1_000_000, out)
+                for m in chunk:
+                    offsets[(m.topic, m.partition)] = m.offset + 1
+                self._applying = None
+                applied += len(chunk)
+            if len(taken) < want:  # nothing more may go now
+                blocked = True
+                break
+        if not blocked:  # the cycle is full, or took its limit
+            if any(queues):
+                self._more = True
+        else:
+            if not applied:  # an input that is behind may still hold older entries: the wait starts now
+                self._waiting_since.setdefault(topic, time.monotonic())
+            if caught_up is not None and any(queues):
+                self._hold(topic, queues)
+        if _KILLS and applied:
             _kill("apply")
-        return len(inputs)
+        return applied
 
     def _cycle_full(self) -> bool:
         """Whether the cycle has run for `timed_cycle_ms` and expired records meanwhile: no sweep runs
