@@ -77,7 +77,7 @@ class LoopSettings:
     # None: 50,000, or 20,000 when a topic has expiry or conflated views (measured in bench/expiry.py:
     # p99 lateness under a backlog 343 ms with 50,000, 169 ms with 20,000).
     batch_max: int | None = None
-    chunk: int = 250  # inputs applied between two looks at the expiry clock (~10 ms of work here: the sweeps' gap)
+    chunk: int = 250  # inputs merged and applied between two looks at the expiry clock (~10 ms of work here: the sweeps' gap)
     max_idle_ms: int = 10_000  # how long a merge waits for an input that is behind (data on the broker not fetched yet)
     # How long after a message was fetched, or after its timestamp, any message appended to a
     # caught-up input before it has surely been fetched too (more than a fetch round trip): until
