@@ -93,13 +93,16 @@ def test_workers_expose_prometheus_metrics(cluster):
     _load(client, topic, n=30)
     workers = wait_until(lambda: (w := live_workers(client.bootstrap, client.group)) and len(w) == 2 and w)
 
-    def total(name, label):
+    def total(name, label, key="topic"):
         value = 0.0
         for w in workers:
             text = urllib.request.urlopen(f"{w['url']}/metrics", timeout=10).read().decode()
-            value += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and f'topic="{label}"' in line)
+            value += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and f'{key}="{label}"' in line)
         return value
 
     assert total("ksow_inputs_total", topic) == 30
     assert total("ksow_sow_records", topic) == 30
     assert total("ksow_outputs_total", f"{topic}.sow") == 30 and total("ksow_outputs_total", f"{topic}.diff") == 30
+    # Where the loop threads' time went: they waited for inputs, applied 30 and committed them.
+    for step in ("consume", "file", "apply", "prepare", "commit_wait", "store_commit"):
+        assert total("ksow_loop_seconds_total", step, key="step") > 0, step

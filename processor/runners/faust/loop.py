@@ -278,6 +278,10 @@ class _Batch:
         self.loop._checkpoint(self)
 
 
+# The loop's steps (metrics.LOOP_SECONDS), labelled once: a labels() look-up costs a lock and a dict.
+_CONSUME_SECONDS, _FILE_SECONDS, _APPLY_SECONDS, _SWEEP_SECONDS, _PREPARE_SECONDS, _COMMIT_WAIT_SECONDS, _STORE_COMMIT_SECONDS = (
+    metrics.LOOP_SECONDS.labels(step) for step in ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit"))
+
 _SAMPLE = 1024  # a `.sow` delivery report in this many of a partition's records (and its first of a cycle)
 
 
@@ -556,11 +560,15 @@ class SowLoop:
         interval = self.settings.commit_interval_ms / 1000
         if out is not None:  # an open transaction commits on time, inputs or not
             wait = min(wait, max(0.001, out.began + interval - mono))
+        began = time.perf_counter()
         messages = self.consumer.consume(self.batch_max, wait)
+        consumed = time.perf_counter()
+        _CONSUME_SECONDS.inc(consumed - began)
         if _KILLS:
             _kill("consumed")
         if messages:
             self._file(messages)
+            _FILE_SECONDS.inc(time.perf_counter() - consumed)
         if any(not t.restored for t in self.tasks.values()):
             self._restore_pending()  # commits an open batch first
         out = self._open or _Batch(self)
@@ -651,12 +659,14 @@ class SowLoop:
                 # Progress resets the wait: it bounds how long the merge is stuck, not how long some
                 # input has been empty (during a long backlog the bounding input is emptied by every drain).
                 self._waiting_since.pop(topic, None)
+                began = time.perf_counter()
                 chunk = [entry[4] for entry in taken]
                 self._applying = (engine, chunk, offsets)
                 engine.handle(chunk, time.time_ns() // 1_000_000, out)
                 for m in chunk:
                     offsets[(m.topic, m.partition)] = m.offset + 1
                 self._applying = None
+                _APPLY_SECONDS.inc(time.perf_counter() - began)
                 applied += len(chunk)
             if len(taken) < want:  # nothing more may go now
                 blocked = True
@@ -744,6 +754,7 @@ class SowLoop:
         if mono < self._next_sweep:
             return
         self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
+        began = time.perf_counter()
         now = time.time_ns() // 1_000_000
         limit = self.settings.expire_batch
         for task in self.tasks.values():
@@ -758,6 +769,7 @@ class SowLoop:
                         _kill("sweep")
             if engine.conflates:
                 engine.release_views(task.p, now, out)
+        _SWEEP_SECONDS.inc(time.perf_counter() - began)
 
     # commit ---------------------------------------------------------------------------------
     def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter, rewind: bool = True) -> bool:
@@ -786,7 +798,10 @@ class SowLoop:
             try:
                 prepared = {name: task.store.prepare() for name, task in self.tasks.items() if task.store is not None and task.store.dirty}
             finally:
+                waiting = time.perf_counter()
+                _PREPARE_SECONDS.inc(waiting - started)
                 ending.result()
+                _COMMIT_WAIT_SECONDS.inc(time.perf_counter() - waiting)
             self._in_txn = False
             if positions.failed or (failures and failures.errors):
                 raise KafkaException((positions.failed or failures.errors)[0])
@@ -800,6 +815,7 @@ class SowLoop:
         if _KILLS:
             _kill("store")
         ends = positions.ends(out.changelog)
+        writing = time.perf_counter()
         for name, task in self.tasks.items():
             store = task.store
             if store is None:
@@ -809,6 +825,7 @@ class SowLoop:
                 store.set_meta("changelog", position)
             if store.dirty:
                 store.commit(prepared.get(name))
+        _STORE_COMMIT_SECONDS.inc(time.perf_counter() - writing)
         if not self.eos and offsets:
             self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)

@@ -16,6 +16,12 @@ ABORTED = Counter("ksow_aborted_batches", "Batches whose transaction was aborted
 CHECKPOINTS = Counter("ksow_delete_checkpoints", "Commits in the middle of a sow_delete that removes many records (KSOW_DELETE_CHUNK)", registry=REGISTRY)
 RESEEDS = Counter("ksow_changelog_reseeds", "Partitions whose store re-seeded a deleted or truncated .sow changelog", registry=REGISTRY)
 CHANGELOG_SKIPPED = Counter("ksow_changelog_skipped", "Records of .sow that were not SOW records, skipped on restore", registry=REGISTRY)
+# Where the loop thread's time goes (wall time, summed): a worker that falls behind shows which step
+# holds it, without a profiler. consume: waiting for and taking inputs; file: queueing them;
+# apply: applying inputs; sweep: expiring records and releasing conflated view events; prepare:
+# building the stores' write batches while the broker commits; commit_wait: waiting for the
+# transaction's commit (or the flush) after that; store_commit: writing the stores.
+LOOP_SECONDS = Counter("ksow_loop_seconds", "Wall time of the worker's loop thread, by step", ["step"], registry=REGISTRY)
 RECORDS = Gauge("ksow_sow_records", "Records in the SOW partitions this worker serves", ["topic"], registry=REGISTRY)
 
 
