@@ -795,11 +795,12 @@ class SowLoop:
                 ending = self._committer.submit(self._end_transaction, committing, metadata)
             else:
                 ending = self._committer.submit(self.producer.flush)
+            preparing = time.perf_counter()
             try:
                 prepared = {name: task.store.prepare() for name, task in self.tasks.items() if task.store is not None and task.store.dirty}
             finally:
                 waiting = time.perf_counter()
-                _PREPARE_SECONDS.inc(waiting - started)
+                _PREPARE_SECONDS.inc(waiting - preparing)
                 ending.result()
                 _COMMIT_WAIT_SECONDS.inc(time.perf_counter() - waiting)
             self._in_txn = False
