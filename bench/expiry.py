@@ -8,19 +8,25 @@ instants spread uniformly over [W, W + window] (W: a moment after the load is ap
 backlog of `--stream` records is published to a second topic `load` (no expiration) and the worker
 drains it while the expiries fall due. Lateness is `sow-actual-expiry - sow-expires-at` from every
 message on `EXP.exp`. The same stream with no expiring records runs first (its rate also sizes the
-time left for the load). `--workers N` runs `ksow up --workers N` (N processes in one group). Last line:
+time left for the load). `--workers N` runs `ksow up --workers N` (N processes in one group). While
+the stream runs, the workers' `ksow_loop_seconds_total` (from their /metrics) says where their
+loop threads' time went, by step, in seconds a second. Last line:
 `expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with / without expiration).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -33,12 +39,45 @@ from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer  # noqa: E402
 
 PARTITIONS = 4
+STEPS = ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit")  # ksow_loop_seconds_total
 
 
-def start_worker(bootstrap: str, topo: Path, tmp: Path, workers: int) -> subprocess.Popen:
+def start_worker(bootstrap: str, topo: Path, tmp: Path, workers: int, web_port: int) -> subprocess.Popen:
     args = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(topo),
-            "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "warning", "--workers", str(workers)]
+            "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "warning", "--workers", str(workers),
+            "--web-port", str(web_port)]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / "worker.log", "wb"))
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports (worker i of `ksow up --workers n` listens on port + i)."""
+    rnd = random.Random()
+    while True:
+        base = rnd.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + n):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            return base
+        except OSError:
+            continue
+
+
+def loop_seconds(port: int, workers: int) -> Counter:
+    """Seconds the workers' loop threads spent in each step so far (`ksow_loop_seconds_total`)."""
+    total: Counter = Counter()
+    for i in range(workers):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + i}/metrics", timeout=10) as response:
+                text = response.read().decode()
+        except OSError as exc:
+            log(f"warning: no metrics from worker {i}: {exc}")
+            continue
+        for line in text.splitlines():
+            if line.startswith('ksow_loop_seconds_total{step="'):
+                labels, value = line.rsplit(" ", 1)
+                total[labels.split('"')[1]] += float(value)
+    return total
 
 
 def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> None:
@@ -95,7 +134,8 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
         {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
         {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
     ]}))
-    worker = start_worker(bootstrap, topo, tmp, workers)
+    port = free_ports(workers)
+    worker = start_worker(bootstrap, topo, tmp, workers, port)
     alive = lambda: worker.poll() is None  # noqa: E731
     try:
         wait_for_topic(bootstrap, f"EXP.{exp}", alive)
@@ -121,10 +161,14 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             if applied > start_at:
                 log(f"warning: the load took {applied - began:.0f}s, past the window start: raise the margin or lower --records")
             time.sleep(max(0.0, start_at - time.time()))
+        before = loop_seconds(port, workers)
         t0 = time.time()
         count, _ = publish(bootstrap, ((load, k, v) for k, v in records(load, stream)))
         done = wait_for_count(bootstrap, f"{load}.diff", PARTITIONS, stream, 3600, alive=alive)
         result["stream_rate"] = stream / (done - t0)
+        # Where the loop threads' time went while the stream ran, per second of it and worker.
+        spent, elapsed = loop_seconds(port, workers) - before, time.time() - t0
+        result["steps"] = {step: spent[step] / elapsed / workers for step in STEPS}
         if with_expiry:
             late, distinct = lateness(bootstrap, f"EXP.{exp}", n, window + 3600)
             late.sort()
@@ -161,6 +205,8 @@ def main() -> None:
           f"{args.workers} worker process(es)")
     print(f"  lateness (actual expiry - instant): p50 {with_exp['p50']} ms, p99 {with_exp['p99']} ms, max {with_exp['max']} ms")
     print(f"  concurrent stream of {args.stream:,} records: {with_exp['stream_rate']:,.0f} rec/s with expiry, {without['stream_rate']:,.0f} rec/s without")
+    print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
+        f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
     print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {r:.2f}")
 
 

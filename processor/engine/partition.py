@@ -205,7 +205,12 @@ class SowPartition:
         if not self.policy.active or not self.stored:
             return 0
         state = self.state
-        get, remove, removed = state.get, state.remove, self._removed
+        get, remove = state.get, state.remove
+        p, codec, streams, listeners = self.p, self.codec, self.streams, self.listeners
+        send = None if out is None else self._sender(out)
+        # As next_seq, for a run of removals at one instant: the counter is read once and stored once.
+        counter = start = state.counter()
+        floor = now * 1000
         expired = 0
         for at, key in state.due(now):
             if expired == limit:
@@ -214,8 +219,15 @@ class SowPartition:
             if record is None or record.expires_at != at:
                 continue  # updated or deleted since
             remove(key)
-            removed(_EXPIRE, key, record, now, out)
+            counter = counter + 1 if counter >= floor else floor
+            seq = (counter << SEQ_PARTITION_BITS) | p
+            if send is not None:
+                render_removal(_EXPIRE, key.encode(), record, seq, now, p, codec, streams, send)
+            if listeners:
+                self._tell(removal(_EXPIRE, key, record, now, seq), out)
             expired += 1
+        if counter != start:
+            state.set_counter(counter)
         return expired
 
     def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:
@@ -250,9 +262,11 @@ class SowPartition:
         if out is not None:
             render_removal(op, key.encode(), before, seq, now, self.p, self.codec, self.streams, self._sender(out))
         if self.listeners:
-            t = removal(op, key, before, now, seq)
-            for listener in self.listeners:
-                listener.on_change(self.p, t, out)
+            self._tell(removal(op, key, before, now, seq), out)
+
+    def _tell(self, t: Transition, out: list | None) -> None:
+        for listener in self.listeners:
+            listener.on_change(self.p, t, out)
 
 
 def scan_matching(records: Callable[[], Iterator[tuple[str, SowRecord]]], predicate) -> Iterator[str]:

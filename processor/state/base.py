@@ -143,9 +143,21 @@ class StoredRecord(SowRecord):
     __hash__ = None  # type: ignore[assignment]
 
 
+_new_record = object.__new__
+_SET_DATA = _DATA.__set__
+
+
 def decode_record(raw: bytes, data: dict | None = None) -> SowRecord:
+    # Fields set one by one: the dataclass __init__ would set `data` through StoredRecord's
+    # property (a Python call), and a sweep decodes every record it expires.
     seq, expires, updated = _HEADER.unpack_from(raw)
-    return StoredRecord(data, seq, None if expires == _NO_EXPIRY else expires, updated, raw[_HEADER.size :])
+    record = _new_record(StoredRecord)
+    _SET_DATA(record, data)
+    record.seq = seq
+    record.expires_at = None if expires == _NO_EXPIRY else expires
+    record.updated_at = updated
+    record.json = raw[_HEADER.size :]
+    return record
 
 
 def index_value_hash(values: tuple) -> bytes:
@@ -378,7 +390,7 @@ class PartitionStore:
                 yield k[len(prefix) :].decode()
 
     # writes ----------------------------------------------------------------
-    def stage(self, key: str, record: SowRecord | None) -> None:
+    def stage(self, key: str, record: SowRecord | None = None) -> None:
         """Put (or with None, remove) a record; visible to get() at once, durable at commit()."""
         staged = self._staged
         previous = staged.get(key, _ABSENT)
@@ -393,10 +405,7 @@ class PartitionStore:
         self._meta[name] = value
 
     # the engine's PartitionState (processor.engine.partition) ----------------------
-    put = stage
-
-    def remove(self, key: str) -> None:
-        self.stage(key, None)
+    put = remove = stage  # remove(key) is stage(key, None), without a second call
 
     def counter(self) -> int:
         value = self._meta.get("counter")  # staged by every change of a batch but its first

@@ -194,6 +194,32 @@ def test_event_ids_increase_and_survive_restore(tmp_path):
     assert int(hdr(again[0], "sow-seq")) > max(seqs)
 
 
+def test_a_sweep_numbers_its_expiries_as_next_seq_would(tmp_path):
+    """A sweep keeps the event-ID counter in a local and stores it once: its expiries must still get
+    increasing IDs floored by the clock, and the next change of the partition an ID above them."""
+    proc = make(tmp_path, expiration="1s")
+    records = [{"id": i} for i in range(40)]
+    p = owner_partition(key_of(proc, records[0]), N)
+    mine = [r for r in records if owner_partition(key_of(proc, r), N) == p]
+    assert len(mine) >= 3
+    run(proc, [msg(proc, r, ts=1_000) for r in mine], now=1_000)
+    # Written at 1 s, swept at 2 s: the clock floor (now * 1000) is above the counter, so the IDs
+    # count up from the floor, one apart.
+    expired = proc.expire_due(p, 2_000)
+    seqs = [int(hdr(r, "sow-seq")) for r in expired if r.topic == "orders.sow"]
+    assert len(seqs) == len(mine)
+    assert all(s & 1023 == p for s in seqs)
+    counters = [s >> 10 for s in seqs]
+    assert counters == list(range(counters[0], counters[0] + len(mine)))
+    assert counters[0] == 2_000 * 1000
+    proc.commit(p)
+    after = run(proc, [msg(proc, mine[0], ts=2_000)], now=2_000)
+    assert int(hdr(after[0], "sow-seq")) >> 10 == counters[-1] + 1
+    # The next sweep, far later: the floor again.
+    run(proc, [msg(proc, r, ts=3_000) for r in mine[1:]], now=3_000)
+    late = [int(hdr(r, "sow-seq")) >> 10 for r in proc.expire_due(p, 9_000_000) if r.topic == "orders.sow"]
+    assert late == list(range(9_000_000 * 1000, 9_000_000 * 1000 + len(mine)))
+
 def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(tmp_path):
     a, b = two_workers(tmp_path)
     load(a, b, [{"id": i, "s": "open" if i % 2 else "done"} for i in range(8)])
