@@ -220,6 +220,7 @@ def test_a_sweep_numbers_its_expiries_as_next_seq_would(tmp_path):
     late = [int(hdr(r, "sow-seq")) >> 10 for r in proc.expire_due(p, 9_000_000) if r.topic == "orders.sow"]
     assert late == list(range(9_000_000 * 1000, 9_000_000 * 1000 + len(mine)))
 
+
 def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(tmp_path):
     a, b = two_workers(tmp_path)
     load(a, b, [{"id": i, "s": "open" if i % 2 else "done"} for i in range(8)])
