@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
 from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer  # noqa: E402
+from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
 
 PARTITIONS = 4
-STEPS = ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit")  # ksow_loop_seconds_total
 
 
 def start_worker(bootstrap: str, topo: Path, tmp: Path, workers: int, web_port: int) -> subprocess.Popen:

@@ -280,7 +280,7 @@ class _Batch:
 
 # The loop's steps (metrics.LOOP_SECONDS), labelled once: a labels() look-up costs a lock and a dict.
 _CONSUME_SECONDS, _FILE_SECONDS, _APPLY_SECONDS, _SWEEP_SECONDS, _PREPARE_SECONDS, _COMMIT_WAIT_SECONDS, _STORE_COMMIT_SECONDS = (
-    metrics.LOOP_SECONDS.labels(step) for step in ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit"))
+    metrics.LOOP_SECONDS.labels(step) for step in metrics.LOOP_STEPS)
 
 _SAMPLE = 1024  # a `.sow` delivery report in this many of a partition's records (and its first of a cycle)
 

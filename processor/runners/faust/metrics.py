@@ -20,7 +20,10 @@ CHANGELOG_SKIPPED = Counter("ksow_changelog_skipped", "Records of .sow that were
 # holds it, without a profiler. consume: waiting for and taking inputs; file: queueing them;
 # apply: applying inputs; sweep: expiring records and releasing conflated view events; prepare:
 # building the stores' write batches while the broker commits; commit_wait: waiting for the
-# transaction's commit (or the flush) after that; store_commit: writing the stores.
+# transaction's commit (or the flush) after that; store_commit: writing the stores. A delete that
+# removes many records commits in the middle of being applied (KSOW_DELETE_CHUNK): those commits
+# count in their own steps and in apply too.
+LOOP_STEPS = ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit")
 LOOP_SECONDS = Counter("ksow_loop_seconds", "Wall time of the worker's loop thread, by step", ["step"], registry=REGISTRY)
 RECORDS = Gauge("ksow_sow_records", "Records in the SOW partitions this worker serves", ["topic"], registry=REGISTRY)
 
