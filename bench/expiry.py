@@ -1,7 +1,7 @@
 """Expiry benchmark (issue 3): N records whose instants fall in one 60 s window, expired by a worker
 while it also ingests a concurrent publish stream; the same stream again with nothing expiring.
 
-    python bench/expiry.py [--records 1000000] [--window 60] [--stream 100000] [--workers 1]
+    python bench/expiry.py [--records 1000000] [--window 60] [--stream 100000] [--workers 1] [--plain]
 
 Phase 1 loads N records into the `exp` SOW topic with per-message lifetimes chosen so that their
 instants spread uniformly over [W, W + window] (W: a moment after the load is applied). At W a
@@ -10,17 +10,30 @@ drains it while the expiries fall due. Lateness is `sow-actual-expiry - sow-expi
 message on `EXP.exp`. The same stream with no expiring records runs first (its rate also sizes the
 time left for the load). `--workers N` runs `ksow up --workers N` (N processes in one group). While
 the stream runs, the workers' `ksow_loop_seconds_total` (from their /metrics) says where their
-loop threads' time went, by step, in seconds a second. Last line:
-`expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with / without expiration).
+loop threads' time went, by step, in seconds a second.
+
+`--plain` runs both phases again with a plain loop in place of the worker, in the same run: one
+process, confluent-kafka + orjson + rocksdict, a transaction a cycle (200 ms) with the input
+offsets, each input merged and told on `.sow` and `.diff`, and each expiry found by a range scan of
+an expiry index and told by the three messages of the contract with their headers (`.sow`
+tombstone, `.diff`, `EXP.`), deleted by two deletes. No ordering, no event-ID floor, no views,
+errors or capacity: what these libraries cost on this machine for the same outputs, so the worker's
+ratio can be read against the ratio a Python process reaches at all here.
+
+Last line: `expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with / without
+expiration; with --plain, the plain loop's pair is on the line before it).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -34,7 +47,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
+from bench.common import create_topics, kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
 from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer  # noqa: E402
 from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
@@ -100,6 +113,113 @@ def records(topic: str, n: int, offset: int = 0):
         yield keys.sow_key(rec).encode(), orjson.dumps(rec)
 
 
+# the plain loop ----------------------------------------------------------------------------------
+_BE64 = struct.Struct(">Q")
+CYCLE_S = 0.2  # a transaction a cycle, as the worker's while records expire (KSOW_TIMED_CYCLE_MS)
+CHUNK = 250  # inputs between two looks at the expiry clock, as the worker's
+
+
+def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
+    """The plain loop (see the module docstring), until SIGTERM. A stored value is the record's
+    instant (8 bytes, 0: none), its partition (a byte), then its JSON; the expiry index
+    `x<instant><key>` holds the same."""
+    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+    from rocksdict import Options, Rdict, ReadOptions, WriteBatch
+
+    from processor.core.merge import diff
+    from processor.kafka.clients import make_producer
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    group = unique_name("plain")
+    consumer = make_consumer(bootstrap, group, **{"enable.partition.eof": False})
+    consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t in (exp, load) for p in range(PARTITIONS)])
+    producer = make_producer(bootstrap, **{"transactional.id": group, "linger.ms": 50})
+    producer.init_transactions(60)
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    db = Rdict(data_dir, options)
+    loads, dumps, produce, pack, unpack = orjson.loads, orjson.dumps, producer.produce, _BE64.pack, _BE64.unpack_from
+    outputs = {t: (f"{t}.sow", f"{t}.diff") for t in (exp, load)}
+    expired_topic = f"EXP.{exp}"
+    exp_sow, exp_diff = outputs[exp]
+    key_paths = (("id",),)
+    counters = [0] * PARTITIONS
+    due_from = 0  # no committed expiry entry is older (entries swept are deleted by the commit)
+    expired, sweep_s = 0, 0.0  # told on stderr at the end: what an expiry cost this loop's thread
+    while not stop:
+        producer.begin_transaction()
+        began = time.monotonic()
+        batch = WriteBatch(raw_mode=True)
+        staged: dict[bytes, bytes | None] = {}  # key -> stored value (None: removed) this cycle
+        offsets: dict[tuple[str, int], int] = {}
+        swept_to = b""  # the last expiry entry this cycle handled
+        while time.monotonic() - began < CYCLE_S and not stop:
+            for msg in consumer.consume(CHUNK, 0.01):
+                if msg.error():
+                    continue
+                topic, p, key = msg.topic(), msg.partition(), msg.key()
+                record = loads(msg.value())
+                old_raw = staged.get(key, b"")
+                if old_raw == b"":
+                    old_raw = db.get(b"r" + key)
+                old = None if old_raw is None else loads(old_raw[9:])
+                now = int(time.time() * 1000)
+                instant = 0
+                for name, value in msg.headers() or ():
+                    if name == "sow-expiration":
+                        instant = now + int(value[:-2])
+                counters[p] += 1
+                headers = [("sow-key", key), ("sow-op", b"insert" if old is None else b"update"), ("sow-seq", b"%d" % (counters[p] << 10 | p))]
+                if instant:
+                    headers.append(("sow-expires-at", b"%d" % instant))
+                value = dumps(record)
+                stored = pack(instant) + bytes((p,)) + value
+                if old_raw is not None and (old_instant := unpack(old_raw)[0]):
+                    batch.delete(b"x" + pack(old_instant) + key)
+                batch.put(b"r" + key, stored)
+                if instant:
+                    batch.put(b"x" + pack(instant) + key, stored)
+                staged[key] = stored
+                sow, diffs = outputs[topic]
+                produce(sow, value, key, p, None, None, 0, headers)
+                produce(diffs, dumps(diff(old, record, key_paths)), key, p, None, None, 0, headers)
+                offsets[(topic, p)] = msg.offset() + 1
+            # the sweep: what is due in the committed index, after what this cycle handled already
+            swept_at = time.perf_counter()
+            now = int(time.time() * 1000)
+            read = ReadOptions()
+            read.set_iterate_upper_bound(b"x" + pack(now + 1))
+            for k, stored in db.items(from_key=swept_to + b"\x00" if swept_to else b"x" + pack(due_from), read_opt=read):
+                swept_to = k
+                key = k[9:]
+                if staged.get(key, stored) != stored:
+                    continue  # updated or removed this cycle
+                p = stored[8]
+                counters[p] += 1
+                last = stored[9:]
+                headers = [("sow-key", key), ("sow-op", b"expire"), ("sow-seq", b"%d" % (counters[p] << 10 | p)),
+                           ("sow-expires-at", b"%d" % unpack(stored)[0]), ("sow-actual-expiry", b"%d" % now)]
+                produce(exp_sow, None, key, p, None, None, 0, headers)
+                produce(exp_diff, last, key, p, None, None, 0, headers)
+                produce(expired_topic, last, key, p, None, None, 0, headers)
+                batch.delete(k)
+                batch.delete(b"r" + key)
+                staged[key] = None
+                expired += 1
+            sweep_s += time.perf_counter() - swept_at
+        if offsets:
+            producer.send_offsets_to_transaction([TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                                 consumer.consumer_group_metadata(), 30)
+        producer.commit_transaction(60)
+        db.write(batch)
+        if swept_to:
+            due_from = unpack(swept_to, 1)[0]
+    db.close()
+    consumer.close()
+    print(json.dumps({"expired": expired, "sweep_s": sweep_s}), file=sys.stderr)
+
+
 def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[list[int], int]:
     """Lateness of the messages on `topic` (read_committed) once n are there or the timeout has
     passed, and how many distinct keys they carry."""
@@ -124,18 +244,32 @@ def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[
         consumer.close()
 
 
-def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_rate: float = 0.0) -> dict:
-    """One run: with n > 0, n expiring records loaded at about `load_rate` records a second first."""
+def start_plain(bootstrap: str, exp: str, load: str, tmp: Path) -> subprocess.Popen:
+    """The plain loop in its own process, on topics made as the worker would make them."""
+    compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
+    create_topics(bootstrap, {name: (PARTITIONS, compacted if name.endswith(".sow") else {})
+                              for t in (exp, load) for name in (t, f"{t}.sow", f"{t}.diff")} | {f"EXP.{exp}": (PARTITIONS, {})})
+    spec = json.dumps({"bootstrap": bootstrap, "exp": exp, "load": load, "data_dir": str(tmp / "plain-db")})
+    return subprocess.Popen([sys.executable, __file__, "--plain-worker", spec], stdout=subprocess.DEVNULL, stderr=open(tmp / "plain.log", "wb"))
+
+
+def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_rate: float = 0.0, plain: bool = False) -> dict:
+    """One run: with n > 0, n expiring records loaded at about `load_rate` records a second first;
+    with `plain`, by the plain loop instead of `ksow up`."""
     with_expiry = n > 0
     exp, load = unique_name("exp"), unique_name("load")
     tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-expiry-"))
-    topo = tmp / "t.yaml"
-    topo.write_text(yaml.safe_dump({"sow": [
-        {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
-        {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
-    ]}))
-    port = free_ports(workers)
-    worker = start_worker(bootstrap, topo, tmp, workers, port)
+    if plain:
+        port = 0
+        worker = start_plain(bootstrap, exp, load, tmp)
+    else:
+        topo = tmp / "t.yaml"
+        topo.write_text(yaml.safe_dump({"sow": [
+            {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
+            {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
+        ]}))
+        port = free_ports(workers)
+        worker = start_worker(bootstrap, topo, tmp, workers, port)
     alive = lambda: worker.poll() is None  # noqa: E731
     try:
         wait_for_topic(bootstrap, f"EXP.{exp}", alive)
@@ -161,14 +295,14 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             if applied > start_at:
                 log(f"warning: the load took {applied - began:.0f}s, past the window start: raise the margin or lower --records")
             time.sleep(max(0.0, start_at - time.time()))
-        before = loop_seconds(port, workers)
+        before = loop_seconds(port, workers) if port else Counter()
         t0 = time.time()
         count, _ = publish(bootstrap, ((load, k, v) for k, v in records(load, stream)))
         done = wait_for_count(bootstrap, f"{load}.diff", PARTITIONS, stream, 3600, alive=alive)
         result["stream_rate"] = stream / (done - t0)
-        # Where the loop threads' time went while the stream ran, per second of it and worker.
-        spent, elapsed = loop_seconds(port, workers) - before, time.time() - t0
-        result["steps"] = {step: spent[step] / elapsed / workers for step in STEPS}
+        if port:  # where the loop threads' time went while the stream ran, per second of it and worker
+            spent, elapsed = loop_seconds(port, workers) - before, time.time() - t0
+            result["steps"] = {step: spent[step] / elapsed / workers for step in STEPS}
         if with_expiry:
             # Read once the window is over: a reader of `EXP.` running during it would take CPU from
             # the worker on this machine (the lateness comes from the events' headers either way).
@@ -178,14 +312,21 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             if len(late) != n or distinct != n:
                 log(f"error: {len(late):,} expiry events for {distinct:,} distinct records, {n:,} expected")
             result.update(n=len(late), distinct=distinct, p50=late[len(late) // 2], p99=late[int(len(late) * 0.99)], max=late[-1])
+        if plain:  # its last line: what its sweeps cost
+            stop(worker)
+            result.update(json.loads((tmp / "plain.log").read_text().splitlines()[-1]))
         return result
     finally:
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop(worker)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop(worker: subprocess.Popen) -> None:
+    worker.terminate()
+    try:
+        worker.wait(60)
+    except subprocess.TimeoutExpired:
+        worker.kill()
 
 
 def main() -> None:
@@ -194,7 +335,12 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--stream", type=int, default=100_000)
     parser.add_argument("--workers", type=int, default=1, help="worker processes (ksow up --workers)")
+    parser.add_argument("--plain", action="store_true", help="run both phases with the plain loop too, after the worker")
+    parser.add_argument("--plain-worker", help=argparse.SUPPRESS)  # the plain loop's own process
     args = parser.parse_args()
+    if args.plain_worker:
+        plain_worker(**json.loads(args.plain_worker))
+        return
     with kafka_bootstrap() as bootstrap:
         log(f"run 1: the stream, nothing expiring ({args.workers} worker process(es))")
         without = run(bootstrap, 0, args.window, args.stream, args.workers)
@@ -203,6 +349,11 @@ def main() -> None:
         load_rate = without["stream_rate"] / 2
         log(f"run 2: expiring records + the same stream (load margin {args.records / load_rate:.0f}s)")
         with_exp = run(bootstrap, args.records, args.window, args.stream, args.workers, load_rate)
+        if args.plain:
+            log("run 3: the plain loop, the stream with nothing expiring")
+            plain_without = run(bootstrap, 0, args.window, args.stream, 1, plain=True)
+            log("run 4: the plain loop, expiring records + the same stream (the same load margin)")
+            plain_with = run(bootstrap, args.records, args.window, args.stream, 1, load_rate, plain=True)
     r = with_exp["stream_rate"] / without["stream_rate"]
     print(f"{with_exp['n']:,} records expired, instants spread over {args.window:.0f}s (load took {with_exp['load_s']:.0f}s), "
           f"{args.workers} worker process(es)")
@@ -210,6 +361,14 @@ def main() -> None:
     print(f"  concurrent stream of {args.stream:,} records: {with_exp['stream_rate']:,.0f} rec/s with expiry, {without['stream_rate']:,.0f} rec/s without")
     print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
         f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
+    print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] / (args.records / args.window) * 1e6:.1f} us "
+          f"an expiry, at {args.records / args.window:,.0f} expiries a second")
+    if args.plain:
+        print(f"  plain loop: {plain_with['n']:,} records expired, lateness p50 {plain_with['p50']} ms, p99 {plain_with['p99']} ms, "
+              f"max {plain_with['max']} ms; stream {plain_with['stream_rate']:,.0f} rec/s with expiry, "
+              f"{plain_without['stream_rate']:,.0f} rec/s without; its sweeps (scan, three messages, deletes staged) "
+              f"{plain_with['sweep_s'] / max(1, plain_with['expired']) * 1e6:.1f} us an expiry over the whole run")
+        print(f"plain loop: p99 lateness {plain_with['p99']} ms, throughput ratio {plain_with['stream_rate'] / plain_without['stream_rate']:.2f}")
     print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {r:.2f}")
 
 
