@@ -1,12 +1,14 @@
 """The per-record path of a worker, in-process: what one input and one expiry cost the loop thread.
 
-    python bench/hotpath.py [-n 200000] [-k 20000] [--deltas 0.3] [--expiries 100000] [--produce]
+    python bench/hotpath.py [-n 200000] [-k 20000] [--deltas 0.3] [--expiries 100000] [--produce] [--sow N]
 
 No broker unless --produce: the engine applies bench/ingest.py's workload (already in the order a
 worker applies it) over RocksDB stores in a temporary folder, in the worker's chunks, committing
 the stores after each cycle, and sends its messages to the worker's output buffer (the loop's
 `_Batch`) over a producer that does nothing (`--produce`: a real one, $KAFKA_BOOTSTRAP or the
-embedded broker). Then it expires `--expiries` records of a second topic (lifetime 60 s) through
+embedded broker; `--sow N`: N records of other keys are in the SOW first, flushed to RocksDB's
+table files and not in the stores' caches, as in a worker after a restart or with a SOW larger than
+its memtable). Then it expires `--expiries` records of a second topic (lifetime 60 s) through
 the same buffer. Baseline, in the same run: the plain loop of bench/ingest.py's limit (orjson,
 rocksdict get and WriteBatch, merge and diff, both outputs encoded; nothing produced) over the
 same inputs.
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 
 from bench.ingest import KEY_PATHS, PARTITIONS, workload  # noqa: E402
-from processor.contract.types import InputMessage  # noqa: E402
+from processor.contract.types import InputMessage, SowRecord  # noqa: E402
 from processor.core.keys import owner_partition  # noqa: E402
 from processor.engine.topic import SowTopicEngine  # noqa: E402
 from processor.runners.faust.loop import _Batch  # noqa: E402
@@ -66,12 +68,14 @@ def inputs(topic: str, n: int, k: int, deltas: float, start_ms: int) -> list[Inp
             for i, (t, key, value) in enumerate(workload(topic, n, k, deltas))]
 
 
-def ingest(messages: list[InputMessage], topic: str, folder: Path, loop) -> float:
+def ingest(messages: list[InputMessage], topic: str, folder: Path, loop, sow: int = 0) -> float:
     spec = parse_topology({"sow": [{"topic": topic, "key": ["/id"], "partitions": PARTITIONS}]}).sow[0]
     engine = SowTopicEngine(spec)
     stores = [open_partition_store("rocksdb", str(folder / f"in{p}"), engine.indexes) for p in range(PARTITIONS)]
     for p, store in enumerate(stores):
         engine.attach(p, store)
+    if sow:
+        fill(stores, spec, sow)
     now = messages[-1].timestamp
     chunks = []
     for start in range(0, len(messages), CYCLE):
@@ -86,6 +90,21 @@ def ingest(messages: list[InputMessage], topic: str, folder: Path, loop) -> floa
     for store in stores:
         store.close()
     return statistics.median(chunks)
+
+
+def fill(stores: list, spec, n: int) -> None:
+    """n records of other keys already in the SOW, on disk and not in the stores' caches: a worker's
+    stores after a restart, or a SOW larger than RocksDB's memtable and the stores' caches."""
+    value = {"id": 0, "desk": "rates", "qty": 100, "px": 101.25, "status": "open", "nested": {"a": 1, "b": "alpha"}}
+    for c in range(0, n, CYCLE):
+        for i in range(c, min(n, c + CYCLE)):
+            key = spec.key_spec.sow_key({"id": 10**9 + i})
+            stores[owner_partition(key, PARTITIONS)].put(key, SowRecord(dict(value, id=10**9 + i), i + 1, None, 1))
+        for store in stores:
+            store.commit()
+    for store in stores:
+        store.backend._db.flush()  # to table files, as after a restart (RocksDB's own call; not in the store contract)
+        store._committed.clear()
 
 
 def expiry(n: int, folder: Path, loop, start_ms: int) -> float:
@@ -211,6 +230,7 @@ def main() -> None:
     parser.add_argument("--deltas", type=float, default=0.3, help="share of delta publishes (default 0.3)")
     parser.add_argument("--expiries", type=int, default=100_000, help="records expired (default 100000)")
     parser.add_argument("--produce", action="store_true", help="produce to a real broker ($KAFKA_BOOTSTRAP, else embedded)")
+    parser.add_argument("--sow", type=int, default=0, help="records of other keys in the SOW, on disk, before the inputs (default 0)")
     parser.add_argument("--only", choices=["ingest", "expiry", "plain", "plain-expiry", "setup"], default=None,
                         help="one measurement, or only making the inputs (setup): for instruction counts")
     args = parser.parse_args()
@@ -247,7 +267,7 @@ def main() -> None:
 def measure(args, messages, folder: Path, loop, start_ms: int) -> dict[str, float]:
     results: dict[str, float] = {}
     if args.only in (None, "ingest"):
-        results["input"] = ingest(messages, "hot", folder, loop)
+        results["input"] = ingest(messages, "hot", folder, loop, args.sow)
     if args.only in (None, "expiry"):
         results["expiry"] = expiry(args.expiries, folder, loop, start_ms)
     if args.only in (None, "plain"):
