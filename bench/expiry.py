@@ -167,7 +167,7 @@ def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
                 now = int(time.time() * 1000)
                 instant = 0
                 for name, value in msg.headers() or ():
-                    if name == "sow-expiration":
+                    if name == "sow-expiration":  # as this bench writes them: `<n>ms`
                         instant = now + int(value[:-2])
                 counters[p] += 1
                 headers = [("sow-key", key), ("sow-op", b"insert" if old is None else b"update"), ("sow-seq", b"%d" % (counters[p] << 10 | p))]
