@@ -119,6 +119,34 @@ def test_rocksdb_survives_reopen(tmp_path):
     s.close()
 
 
+def test_a_store_written_without_bloom_filters_reads_the_same(tmp_path):
+    """Stores of earlier releases have table files without filters: opened with them, their records,
+    and keys they lack, read as before (in table files, not only in the memtable)."""
+    from rocksdict import Options, Rdict
+
+    from processor.state.base import encode_record
+
+    path = str(tmp_path / "old")
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    old = Rdict(path, options)
+    for i in range(1000):
+        old[b"r%d" % i] = encode_record(rec({"v": i}, i + 1, None, 5))
+    old.flush()
+    old.close()
+    s = open_partition_store("rocksdb", path, IndexSpec())
+    try:
+        assert s.get("500") == rec({"v": 500}, 501, None, 5)
+        assert s.get("1000") is None and s.get("x") is None
+        s.stage("1000", rec({"v": 1000}, 1001, None, 6))
+        s.commit()
+        s.backend._db.flush()  # a new table file, with a filter, beside the old one
+        s._committed.clear()
+        assert s.get("1000") == rec({"v": 1000}, 1001, None, 6) and s.get("999") == rec({"v": 999}, 1000, None, 5)
+    finally:
+        s.close()
+
+
 def test_due_finds_records_committed_behind_the_last_sweep(store):
     """due() resumes where the last sweep ended, yet a record written later with an earlier instant
     (a replayed or long-delayed input) is still due."""
