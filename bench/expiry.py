@@ -14,9 +14,10 @@ loop threads' time went, by step, in seconds a second.
 
 `--plain` runs both phases again with a plain loop in place of the worker, in the same run: one
 process, confluent-kafka + orjson + rocksdict, a transaction a cycle (200 ms) with the input
-offsets, each input merged and told on `.sow` and `.diff`, and each expiry found by a range scan of
-an expiry index and told by the three messages of the contract with their headers (`.sow`
-tombstone, `.diff`, `EXP.`), deleted by two deletes. No ordering, no event-ID floor, no views,
+offsets, each input (full publishes here) written to rocksdict and told on `.sow` and on `.diff`
+(its diff), and each expiry found by a range scan of an expiry index and told by the three
+messages of the contract with their headers (`.sow` tombstone, `.diff`, `EXP.`), deleted by two
+deletes. No ordering, no event-ID floor, no views,
 errors or capacity: what these libraries cost on this machine for the same outputs, so the worker's
 ratio can be read against the ratio a Python process reaches at all here.
 
@@ -49,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import create_topics, kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
 from processor.core.keys import KeySpec  # noqa: E402
-from processor.kafka.clients import make_consumer  # noqa: E402
+from processor.kafka.clients import make_consumer, topic_configs  # noqa: E402
 from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
+from processor.topology import parse_topology  # noqa: E402
 
 PARTITIONS = 4
 
@@ -160,9 +162,7 @@ def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
                     continue
                 topic, p, key = msg.topic(), msg.partition(), msg.key()
                 record = loads(msg.value())
-                old_raw = staged.get(key, b"")
-                if old_raw == b"":
-                    old_raw = db.get(b"r" + key)
+                old_raw = staged[key] if key in staged else db.get(b"r" + key)
                 old = None if old_raw is None else loads(old_raw[9:])
                 now = int(time.time() * 1000)
                 instant = 0
@@ -244,11 +244,12 @@ def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[
         consumer.close()
 
 
-def start_plain(bootstrap: str, exp: str, load: str, tmp: Path) -> subprocess.Popen:
-    """The plain loop in its own process, on topics made as the worker would make them."""
-    compacted = {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
-    create_topics(bootstrap, {name: (PARTITIONS, compacted if name.endswith(".sow") else {})
-                              for t in (exp, load) for name in (t, f"{t}.sow", f"{t}.diff")} | {f"EXP.{exp}": (PARTITIONS, {})})
+def start_plain(bootstrap: str, topology: dict, exp: str, load: str, tmp: Path) -> subprocess.Popen:
+    """The plain loop in its own process, on the topics the worker would make for `topology`."""
+    topics: dict = {}
+    for spec in parse_topology(topology).sow:
+        topics |= topic_configs(spec)
+    create_topics(bootstrap, topics)
     spec = json.dumps({"bootstrap": bootstrap, "exp": exp, "load": load, "data_dir": str(tmp / "plain-db")})
     return subprocess.Popen([sys.executable, __file__, "--plain-worker", spec], stdout=subprocess.DEVNULL, stderr=open(tmp / "plain.log", "wb"))
 
@@ -259,15 +260,16 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
     with_expiry = n > 0
     exp, load = unique_name("exp"), unique_name("load")
     tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-expiry-"))
+    topology = {"sow": [
+        {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
+        {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
+    ]}
     if plain:
         port = 0
-        worker = start_plain(bootstrap, exp, load, tmp)
+        worker = start_plain(bootstrap, topology, exp, load, tmp)
     else:
         topo = tmp / "t.yaml"
-        topo.write_text(yaml.safe_dump({"sow": [
-            {"topic": exp, "key": ["/id"], "partitions": PARTITIONS, "expiration": "enabled"},
-            {"topic": load, "key": ["/id"], "partitions": PARTITIONS},
-        ]}))
+        topo.write_text(yaml.safe_dump(topology))
         port = free_ports(workers)
         worker = start_worker(bootstrap, topo, tmp, workers, port)
     alive = lambda: worker.poll() is None  # noqa: E731
@@ -361,8 +363,9 @@ def main() -> None:
     print(f"  concurrent stream of {args.stream:,} records: {with_exp['stream_rate']:,.0f} rec/s with expiry, {without['stream_rate']:,.0f} rec/s without")
     print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
         f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
-    print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] / (args.records / args.window) * 1e6:.1f} us "
-          f"an expiry, at {args.records / args.window:,.0f} expiries a second")
+    rate = args.records / args.window  # expiries a second, shared by the workers
+    print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] * args.workers / rate * 1e6:.1f} us "
+          f"an expiry, at {rate:,.0f} expiries a second")
     if args.plain:
         print(f"  plain loop: {plain_with['n']:,} records expired, lateness p50 {plain_with['p50']} ms, p99 {plain_with['p99']} ms, "
               f"max {plain_with['max']} ms; stream {plain_with['stream_rate']:,.0f} rec/s with expiry, "
