@@ -276,6 +276,25 @@ def tree_cpu_seconds(pid: int) -> float | None:
     return total
 
 
+def local_broker_cpu_seconds() -> float | None:
+    """CPU time of the Kafka brokers running on this machine (JVMs whose main class is kafka.Kafka:
+    the embedded broker, or one started from a Kafka distribution); None when there is none."""
+    total = None
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"kafka.Kafka" in args:
+            cpu = cpu_seconds(int(entry))
+            if cpu is not None:
+                total = (total or 0.0) + cpu
+    return total
+
+
 def tree_peak_rss_mb(pid: int) -> float | None:
     """Sum of the peak RSS (VmHWM) of a process tree's live members; None if `pid` is gone."""
     peaks = [kb for kb in (proc_status_kb(member, "VmHWM") for member in process_tree(pid)) if kb is not None]

@@ -10,7 +10,10 @@ drains it while the expiries fall due. Lateness is `sow-actual-expiry - sow-expi
 message on `EXP.exp`. The same stream with no expiring records runs first (its rate also sizes the
 time left for the load). `--workers N` runs `ksow up --workers N` (N processes in one group). While
 the stream runs, the workers' `ksow_loop_seconds_total` (from their /metrics) says where their
-loop threads' time went, by step, in seconds a second.
+loop threads' time went, by step, in seconds a second. From the stream's end to the window's, only
+expiries run: the bench prints the cores the worker's processes and the local Kafka broker (a
+`kafka.Kafka` JVM on this machine, if there is one) used then, and the CPU an expiry cost each over
+what they use idle (measured for 5 s after run 1's stream): what expiry asks of a deployment.
 
 `--plain` runs both phases again with a plain loop in place of the worker, in the same run: one
 process, confluent-kafka + orjson + rocksdict, a transaction a cycle (200 ms) with the input
@@ -28,6 +31,7 @@ expiration; with --plain, the plain loop's pair is on the line before it).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import random
@@ -48,7 +52,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import create_topics, kafka_bootstrap, log, publish, unique_name, wait_for_count  # noqa: E402
+from bench.common import (  # noqa: E402
+    create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, publish, tree_cpu_seconds, unique_name, wait_for_count)
 from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer, topic_configs  # noqa: E402
 from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
@@ -281,12 +286,14 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             load_s = max(20.0, n / load_rate)
             start_at = time.time() + load_s
             rnd = random.Random(1)
+            instants = []
             from processor.kafka.clients import make_producer, produce
 
             producer = make_producer(bootstrap, **{"linger.ms": 20})
             began = time.time()
             for key, value in records(exp, n):
                 instant = start_at + rnd.uniform(0, window)
+                instants.append(instant)
                 lifetime_ms = max(1, int((instant - time.time()) * 1000))
                 produce(producer, exp, value, key, headers=[("sow-expiration", f"{lifetime_ms}ms".encode())])
             producer.flush(120)
@@ -308,12 +315,16 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
         if with_expiry:
             # Read once the window is over: a reader of `EXP.` running during it would take CPU from
             # the worker on this machine (the lateness comes from the events' headers either way).
-            time.sleep(max(0.0, start_at + window - time.time()))
+            # Until then nothing but expiries runs: what they cost the worker and the broker.
+            instants.sort()
+            result["cpu"] = cpu_while(worker.pid, start_at + window, instants)
             late, distinct = lateness(bootstrap, f"EXP.{exp}", n, 3600)
             late.sort()
             if len(late) != n or distinct != n:
                 log(f"error: {len(late):,} expiry events for {distinct:,} distinct records, {n:,} expected")
             result.update(n=len(late), distinct=distinct, p50=late[len(late) // 2], p99=late[int(len(late) * 0.99)], max=late[-1])
+        else:
+            result["cpu"] = cpu_while(worker.pid, time.time() + IDLE_S, [])  # what the same span costs idle
         if plain:  # its last line: what its sweeps cost
             stop(worker)
             result.update(json.loads((tmp / "plain.log").read_text().splitlines()[-1]))
@@ -321,6 +332,34 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
     finally:
         stop(worker)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+IDLE_S = 5.0  # the span over which run 1 measures what the worker and the broker cost with nothing to do
+
+
+def cpu_while(pid: int, until: float, instants: list[float]) -> dict:
+    """Cores that the process tree of `pid` and the local broker use from now until `until`, and
+    how many of the sorted expiry `instants` fall in that span."""
+    began, worker, broker = time.time(), tree_cpu_seconds(pid), local_broker_cpu_seconds()
+    time.sleep(max(0.0, until - began))
+    ended, worker_end, broker_end = time.time(), tree_cpu_seconds(pid), local_broker_cpu_seconds()
+    span = ended - began
+    return {"span": span, "expiries": bisect.bisect(instants, ended) - bisect.bisect(instants, began),
+            "worker": (worker_end - worker) / span if span and worker is not None and worker_end is not None else None,
+            "broker": (broker_end - broker) / span if span and broker is not None and broker_end is not None else None}
+
+
+def cpu_line(name: str, with_exp: dict, without: dict) -> str:
+    """What the expiries alone cost `name` and the local broker, over their idle cost (run 1)."""
+    cpu, idle = with_exp["cpu"], without["cpu"]
+    if cpu["span"] < 3 or not cpu["expiries"] or cpu["worker"] is None:
+        return f"  {name}: the stream ran to the end of the window, no span with expiries alone to measure"
+    per_expiry = {k: (cpu[k] - (idle[k] or 0.0)) * cpu["span"] / cpu["expiries"] * 1e6 for k in ("worker", "broker") if cpu[k] is not None}
+    line = (f"  CPU while only records expired ({cpu['span']:.0f}s, {cpu['expiries']:,} expiries): {name} {cpu['worker']:.2f} cores "
+            f"({idle['worker'] or 0:.2f} idle), {per_expiry['worker']:.1f} us an expiry")
+    if "broker" in per_expiry:
+        line += f"; local broker {cpu['broker']:.2f} cores ({idle['broker'] or 0:.2f} idle), {per_expiry['broker']:.1f} us an expiry"
+    return line
 
 
 def stop(worker: subprocess.Popen) -> None:
@@ -366,11 +405,13 @@ def main() -> None:
     rate = args.records / args.window  # expiries a second, shared by the workers
     print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] * args.workers / rate * 1e6:.1f} us "
           f"an expiry, at {rate:,.0f} expiries a second")
+    print(cpu_line("worker", with_exp, without))
     if args.plain:
         print(f"  plain loop: {plain_with['n']:,} records expired, lateness p50 {plain_with['p50']} ms, p99 {plain_with['p99']} ms, "
               f"max {plain_with['max']} ms; stream {plain_with['stream_rate']:,.0f} rec/s with expiry, "
               f"{plain_without['stream_rate']:,.0f} rec/s without; its sweeps (scan, three messages, deletes staged) "
               f"{plain_with['sweep_s'] / max(1, plain_with['expired']) * 1e6:.1f} us an expiry over the whole run")
+        print(cpu_line("plain loop", plain_with, plain_without))
         print(f"plain loop: p99 lateness {plain_with['p99']} ms, throughput ratio {plain_with['stream_rate'] / plain_without['stream_rate']:.2f}")
     print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {r:.2f}")
 
