@@ -347,7 +347,7 @@ class SowLoop:
         self.tasks: dict[tuple[str, int], Task] = {}
         self._task_of_input: dict[tuple[str, int], tuple[Task, int]] = {}
         # Owned input partition -> the offset committed for it (by the last commit, or found at
-        # assignment). Every transaction carries them: see `_fencing_offsets`.
+        # assignment). A transaction without offsets of its own carries one of them: `_fencing_offsets`.
         self._committed: dict[tuple[str, int], int] = {}
         self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, open in case they come back
         self._paused: set[tuple[str, int]] = set()
@@ -848,19 +848,26 @@ class SowLoop:
         producer.commit_transaction(60)
 
     def _fencing_offsets(self, offsets: dict[tuple[str, int], int], sent: int) -> dict[tuple[str, int], int]:
-        """The input offsets a transaction commits: this batch's, and the committed ones of every other
-        owned input partition. A transaction commits only while its consumer's group generation is
-        current (the coordinator checks it with the offsets), so a stalled worker that wakes up and
-        expires records, or restores a partition, before it learns that its partitions moved, cannot
-        commit: a transaction without offsets would not be checked at all. With no offset known yet
-        (nothing committed nor applied since the assignment) an input's low watermark stands in: the
-        consumer starts there anyway (once committed, it is remembered like any other)."""
-        fencing = {**self._committed, **offsets}
-        if fencing or not sent or not self.tasks:
-            return fencing
+        """The input offsets a transaction commits: this batch's, or when it has none (a cycle that
+        only expired records, restored a partition or released view events) one offset already
+        committed, committed again. A transaction's offsets commit only while its consumer's group
+        generation is current (the coordinator checks the request's generation, whatever partitions
+        it names), so a stalled worker that wakes up and expires records, or restores a partition,
+        before it learns that its partitions moved, cannot commit: a transaction without offsets would
+        not be checked at all. One offset is enough for the check (every owned partition's committed
+        offset, sent again with each transaction, made the broker spend 1.5 times the CPU an expiry:
+        docs/benchmarks.md). With no offset known yet (nothing committed nor applied since the
+        assignment) an input's low watermark stands in: the consumer starts there anyway (once
+        committed, it is remembered like any other)."""
+        if offsets:
+            return offsets
+        if self._committed:
+            tp, offset = next(iter(self._committed.items()))
+            return {tp: offset}
+        if not sent or not self.tasks:
+            return {}
         topic, p = next(iter(self.tasks.values())).inputs[0]
-        fencing[(topic, p)] = end_offsets(self.consumer, topic, [p])[p][0]
-        return fencing
+        return {(topic, p): end_offsets(self.consumer, topic, [p])[p][0]}
 
     def _produce_when_room(self, o: Output, callback) -> None:
         while True:
