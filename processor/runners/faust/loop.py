@@ -855,10 +855,10 @@ class SowLoop:
         it names), so a stalled worker that wakes up and expires records, or restores a partition,
         before it learns that its partitions moved, cannot commit: a transaction without offsets would
         not be checked at all. One offset is enough for the check (every owned partition's committed
-        offset, sent again with each transaction, made the broker spend 1.5 times the CPU an expiry:
-        docs/benchmarks.md). With no offset known yet (nothing committed nor applied since the
-        assignment) an input's low watermark stands in: the consumer starts there anyway (once
-        committed, it is remembered like any other)."""
+        offset, sent again with each transaction, made the broker spend about 1.4 times the CPU an
+        expiry it spends now: docs/benchmarks.md). With no offset known yet (nothing committed nor
+        applied since the assignment) an input's low watermark stands in: the consumer starts there
+        anyway (once committed, it is remembered like any other)."""
         if offsets:
             return offsets
         if self._committed:
