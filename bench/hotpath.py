@@ -123,7 +123,7 @@ def expiry(n: int, folder: Path, loop, start_ms: int) -> float:
     while left:
         began = time.thread_time()
         out = _Batch(loop)
-        done = sum(engine.expire_due(0, now, out, CHUNK) for _ in range(CYCLE // CHUNK))
+        done = sum(engine.expire_due(0, now, out, CHUNK)[0] for _ in range(CYCLE // CHUNK))
         store.commit()
         if not done:
             break

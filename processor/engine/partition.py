@@ -200,10 +200,12 @@ class SowPartition:
                 checkpoint(out)
         return removed
 
-    def expire_due(self, now: int, out: list, limit: int | None = None) -> int:
-        """Remove the records whose instant is at or before `now` (at most `limit`); returns how many."""
+    def expire_due(self, now: int, out: list, limit: int | None = None) -> tuple[int, int]:
+        """Remove the records whose instant is at or before `now` (at most `limit`). Returns how many,
+        and the instant of the oldest of them (0 when none): `now` less that instant is how late the
+        sweep came, the `sow-actual-expiry` less `sow-expires-at` of its first expiry."""
         if not self.policy.active or not self.stored:
-            return 0
+            return 0, 0
         state = self.state
         get, remove = state.get, state.remove
         p, codec, streams, listeners = self.p, self.codec, self.streams, self.listeners
@@ -211,7 +213,7 @@ class SowPartition:
         # As next_seq, for a run of removals at one instant: the counter is read once and stored once.
         counter = start = state.counter()
         floor = now * 1000
-        expired = 0
+        expired = oldest = 0
         for at, key in state.due(now):
             if expired == limit:
                 break
@@ -225,10 +227,12 @@ class SowPartition:
                 render_removal(_EXPIRE, key.encode(), record, seq, now, p, codec, streams, send)
             if listeners:
                 self._tell(removal(_EXPIRE, key, record, now, seq), out)
+            if not expired:
+                oldest = at  # due() hands out instants oldest first
             expired += 1
         if counter != start:
             state.set_counter(counter)
-        return expired
+        return expired, oldest
 
     def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:
         """Remove the given records, telling the world (a `simple` SOW does not survive a restart)."""

@@ -157,7 +157,8 @@ class SowTopicEngine:
         return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)
 
     # timers ---------------------------------------------------------------------------
-    def expire_due(self, p: int, now: int, out: list, limit: int | None = None) -> int:
+    def expire_due(self, p: int, now: int, out: list, limit: int | None = None) -> tuple[int, int]:
+        """(records expired, instant of the oldest of them): SowPartition.expire_due."""
         return self.partitions[p].expire_due(now, out, limit)
 
     def release_views(self, p: int, now: int, out: list) -> None:

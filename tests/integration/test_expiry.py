@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections import Counter
 
 import orjson
 import pytest
 
 from processor.client.sow_client import Client
+from processor.kafka.registry import live_workers
 from processor.topology import load_topology
 
 from .workers import Worker, headers_of, read_all, wait_until, write_topology
@@ -63,6 +65,14 @@ def test_lifetimes_expire_with_all_outputs(env, kafka_bootstrap):
     assert diffs == [("insert", {"id": 3, "v": "short"}), ("expire", {"id": 3, "v": "short"})]
     time.sleep(1)
     assert ids(client, topic) == [2]  # 0 = never expires
+    # The sweeps told the worker's metrics how late they came: one observation for each sweep
+    # that expired records (the two instants are a second apart), each within the bound above.
+    (w,) = wait_until(lambda: live_workers(kafka_bootstrap, f"g-{topic}"))
+    text = urllib.request.urlopen(f"{w['url']}/metrics", timeout=10).read().decode()
+    late = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("ksow_expiry_lateness_seconds_") and f'topic="{topic}"' in line}
+    assert late["ksow_expiry_lateness_seconds_count"] in (1, 2), late  # one, were both in one sweep of one partition
+    assert 0 <= late["ksow_expiry_lateness_seconds_sum"] < 3.0, late
 
 
 def test_update_postpones_expiry(env, kafka_bootstrap):

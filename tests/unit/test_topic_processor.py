@@ -155,6 +155,20 @@ def test_expiry_removes_due_records_with_all_outputs(tmp_path):
     assert proc.stores[p].count() == 0
 
 
+def test_a_sweep_tells_how_many_it_expired_and_the_oldest_instant(tmp_path):
+    """What a worker's ksow_expiry_lateness_seconds observes: `now` less the oldest instant a sweep
+    expired, whatever order the records were published in; a sweep with a limit starts from the
+    oldest left."""
+    proc = make(tmp_path, expiration="10s", partitions=1)
+    run(proc, [msg(proc, {"id": i}, ts=ts, partition=0, offset=i) for i, ts in enumerate([3_000, 1_000, 2_000])], now=3_000)
+    proc.commit()
+    engine = proc.engine
+    assert engine.expire_due(0, 10_999, []) == (0, 0)
+    assert engine.expire_due(0, 12_500, [], limit=1) == (1, 11_000)
+    assert engine.expire_due(0, 14_000, []) == (2, 12_000)
+    assert engine.expire_due(0, 20_000, []) == (0, 0)
+
+
 def test_update_restarts_lifetime_and_zero_never_expires(tmp_path):
     proc = make(tmp_path, expiration="10s")
     r = {"id": 1}

@@ -177,6 +177,10 @@ class Task:
     fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
     store: PartitionStore | None = None
     restored: bool = False
+    lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
+
+    def __post_init__(self) -> None:
+        self.lateness = metrics.EXPIRY_LATENESS.labels(self.engine.spec.topic)
 
     @property
     def name(self) -> tuple[str, int]:
@@ -762,9 +766,10 @@ class SowLoop:
                 continue
             engine = task.engine
             if engine.spec.expiry.active:
-                expired = engine.expire_due(task.p, now, out, limit)
+                expired, oldest = engine.expire_due(task.p, now, out, limit)
                 if expired:
                     self._cycle_expired += expired
+                    task.lateness.observe((now - oldest) / 1000)
                     if _KILLS:
                         _kill("sweep")
             if engine.conflates:

@@ -25,6 +25,14 @@ CHANGELOG_SKIPPED = Counter("ksow_changelog_skipped", "Records of .sow that were
 # count in their own steps and in apply too.
 LOOP_STEPS = ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "store_commit")
 LOOP_SECONDS = Counter("ksow_loop_seconds", "Wall time of the worker's loop thread, by step", ["step"], registry=REGISTRY)
+# Expiry on time, as a deployment sees it: a sweep of a partition that expired records observes how
+# late it came for the oldest of them (the sweep's `sow-actual-expiry` less that record's
+# `sow-expires-at`; the later records of the sweep were due after it, so no less late). Sweeps run
+# every KSOW_EXPIRY_TICK_MS; one falling behind shows here before anyone reads `EXP.`.
+EXPIRY_LATENESS = Histogram(
+    "ksow_expiry_lateness_seconds", "How late each sweep of a partition expired the oldest record it expired, by SOW topic",
+    ["topic"], registry=REGISTRY, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 RECORDS = Gauge("ksow_sow_records", "Records in the SOW partitions this worker serves", ["topic"], registry=REGISTRY)
 
 
