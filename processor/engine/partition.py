@@ -242,7 +242,8 @@ class SowPartition:
 
     def reseed(self, records: Iterable[tuple[str, SowRecord]], out: list) -> None:
         """Write the records back to a `.sow` changelog that lost them (deleted and recreated): the same
-        versions, with their own event IDs, and nothing on `.diff` since nothing changed."""
+        versions, with their own event IDs and last-change instants (the messages' timestamps, as
+        `render` gives them), and nothing on `.diff` since nothing changed."""
         sow = self.streams.sow
         encode = self.codec.encode
         for key, record in records:
@@ -250,7 +251,7 @@ class SowPartition:
             headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
             if record.expires_at is not None:
                 headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
-            out.append(Output(sow, self.p, kb, encode(record.data), headers, True))
+            out.append(Output(sow, self.p, kb, encode(record.data), headers, True, record.updated_at))
 
     # outputs -----------------------------------------------------------------------
     def _sender(self, out) -> Send:

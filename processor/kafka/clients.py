@@ -192,6 +192,17 @@ _TRANSIENT = {
 }
 
 
+def topic_incarnation(admin: AdminClient, topic: str, timeout: float = 30.0) -> int:
+    """A positive number that changes when `topic` is deleted and created again (from its topic ID):
+    a store keeps it beside its position in the topic, as offsets of one incarnation of a topic say
+    nothing of another (a recreated log may already hold more records, aborted ones too, than the
+    store had read of the old one)."""
+    from confluent_kafka import TopicCollection
+
+    uid = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic].result(timeout).topic_id
+    return ((uid.get_most_significant_bits() ^ uid.get_least_significant_bits()) & ((1 << 63) - 1)) or 1
+
+
 def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
     """(low, high) watermarks per partition, retrying the transient errors of freshly created topics."""
     out = {}

@@ -10,8 +10,9 @@ Everything SOW-specific lives here, once, for every backend:
   v<seq:be64><SowKey>              -> ''      age index: capacity evicts the least recently updated (event
                                               IDs order a partition's changes; `u<updated_at>` before)
   i<index#><values hash><SowKey>   -> ''      hash indexes: equality queries without a scan
-  m<name>                          -> int     metadata (changelog position, event-ID counter, count,
-                                              the SowKey rule the records were checked against)
+  m<name>                          -> int     metadata (changelog position and the incarnation of the
+                                              changelog topic it is in, event-ID counter, count, the
+                                              SowKey rule the records were checked against)
 
 Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
 batch, so a crash leaves the store at a consistent changelog position. Records read or committed

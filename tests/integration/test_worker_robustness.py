@@ -28,7 +28,10 @@ def _sow(bootstrap, spec) -> dict:
     return state
 
 
-def test_a_deleted_changelog_is_reseeded_from_the_store_not_wiped(kafka_bootstrap, unique_name, tmp_path, admin):
+@pytest.mark.parametrize("crash", [False, True], ids=["", "killed-before-the-reseed-commits"])
+def test_a_deleted_changelog_is_reseeded_from_the_store_not_wiped(kafka_bootstrap, unique_name, tmp_path, admin, crash):
+    """With `crash`, the first worker after the deletion is killed before the re-seed's transaction
+    commits: the next one must find the store still ahead of the log and re-seed it."""
     path = write_topology(tmp_path, unique_name)
     spec = load_topology(path).sow[0]
     client = Client(kafka_bootstrap, load_topology(path))
@@ -42,6 +45,11 @@ def test_a_deleted_changelog_is_reseeded_from_the_store_not_wiped(kafka_bootstra
     admin.delete_topics([spec.sow_topic])[spec.sow_topic].result(30)
     wait_until(lambda: spec.sow_topic not in admin.list_topics(timeout=10).topics, 30, ".sow gone")
     ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
+    if crash:
+        killed = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w-killed", env={"KSOW_TEST_KILL_AT": "commit:1"})
+        killed.start(wait=False)
+        wait_until(lambda: killed.proc.poll() is not None, 90, "the kill before the re-seed's commit")
+        assert "re-seeding the changelog" in killed.log() and "signal 9 at commit" in killed.log()
     again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w2").start()
     try:
         wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 20, 60, "the changelog re-seeded")

@@ -13,45 +13,17 @@ from hypothesis import strategies as st
 from bench.common import OrderedInputs
 from bench.peers import PeerFailed, check_sow, last_line, summarize
 
+from .fake_clients import Message
+
 TOPICS = ("orders", "orders.delta")
 
 
-class Message:
-    """What a consumed confluent_kafka.Message answers (its constructor is not public before 2.13,
-    which the bench extra's Quix Streams rules out)."""
-
-    def __init__(self, topic: str, partition: int, offset: int = -1, key: bytes | None = None, value: bytes | None = None,
-                 timestamp: tuple[int, int] = (0, 0), error: KafkaError | None = None) -> None:
-        self._fields = (topic, partition, offset, key, value, timestamp, error)
-
-    def topic(self) -> str:
-        return self._fields[0]
-
-    def partition(self) -> int:
-        return self._fields[1]
-
-    def offset(self) -> int:
-        return self._fields[2]
-
-    def key(self) -> bytes | None:
-        return self._fields[3]
-
-    def value(self) -> bytes | None:
-        return self._fields[4]
-
-    def timestamp(self) -> tuple[int, int]:
-        return self._fields[5]
-
-    def error(self) -> KafkaError | None:
-        return self._fields[6]
-
-
 def _messages(timestamps: list[int], topic: str, p: int) -> list[Message]:
-    return [Message(topic=topic, partition=p, offset=o, key=b"k", value=b"v", timestamp=(2, ts)) for o, ts in enumerate(timestamps)]
+    return [Message(topic, p, o, b"v", ts) for o, ts in enumerate(timestamps)]
 
 
 def _eof(topic: str, p: int, offset: int) -> Message:
-    return Message(topic=topic, partition=p, offset=offset, error=KafkaError(KafkaError._PARTITION_EOF))
+    return Message(topic, p, offset, error=KafkaError(KafkaError._PARTITION_EOF))
 
 
 inputs_of_one_partition = st.tuples(

@@ -44,6 +44,7 @@ from functools import partial
 from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, ConfigError
@@ -52,7 +53,7 @@ from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import end_offsets, make_consumer, make_producer, read_until
+from processor.kafka.clients import end_offsets, make_admin, make_consumer, make_producer, read_until, topic_incarnation
 from processor.runners.faust import metrics
 from processor.state.base import PartitionStore, open_partition_store
 from processor.state.keyformat import check_key_format
@@ -355,6 +356,8 @@ class SowLoop:
         self._committed: dict[tuple[str, int], int] = {}
         self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, open in case they come back
         self._paused: set[tuple[str, int]] = set()
+        self._replace_producer = False  # the transactional producer failed and is not replaced yet
+        self._admin: AdminClient | None = None  # made when a restore first needs it (topic IDs)
         self._stop = threading.Event()
         self._next_sweep = 0.0
         self._timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
@@ -480,31 +483,49 @@ class SowLoop:
         committed = consumer.committed(partitions, 60) if partitions else []
         self._remember_committed(committed)
         consumer.assign(committed)
+        # librdkafka keeps a partition paused through a revocation and a new assignment of it
+        # (confluentinc/librdkafka#1849): one flow control paused before a rebalance would never be
+        # fetched again, its merge waiting on it forever. What is assigned starts fetching.
+        if committed:
+            consumer.resume(committed)
+        # A merge's wait for an input behind started before this assignment: the time the assignment
+        # took (up to a transaction timeout, waiting on a previous owner) is not the inputs' to count.
+        for task in self.tasks.values():
+            self._waiting_since.pop(task.engine.spec.topic, None)
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in committed))
 
     def _remember_committed(self, committed: list[TopicPartition]) -> None:
         self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
 
     def _await_previous_owner(self, tasks: list[Task]) -> None:
-        """Wait until no transaction is open on the outputs of these SOW partitions (a read_committed
-        end offset below the log end means one is)."""
+        """Wait until no transaction is open on the outputs of these SOW partitions that a new owner
+        reads back (`.sow`, `.diff`, and `.holds` of a topic with conflated views)."""
         if not tasks or not self.eos:
             return
+        self._await_settled([(topic, task.p) for task in tasks for topic in (
+            task.engine.spec.sow_topic, task.engine.spec.diff_topic, *((task.engine.spec.holds_topic,) if task.engine.conflates else ()))])
+
+    def _await_settled(self, partitions: list[tuple[str, int]]) -> int:
+        """Wait until no transaction is open on these partitions (a read_committed end offset below the
+        log end means one is, or that its commit markers are not written yet: the coordinator answers
+        a commit before it writes them), at most a transaction timeout and 30 s. Returns the
+        read_committed end offset of the last partition."""
         committed = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
         uncommitted = make_consumer(self.bootstrap, **{"isolation.level": "read_uncommitted"})
         deadline = time.monotonic() + self.settings.transaction_timeout_ms / 1000 + 30
+        end = 0
         try:
-            for task in tasks:
-                for topic in (task.engine.spec.sow_topic, task.engine.spec.diff_topic):
-                    # end_offsets retries what a freshly created topic answers at first (no leader yet).
-                    while end_offsets(committed, topic, [task.p])[task.p][1] < end_offsets(uncommitted, topic, [task.p])[task.p][1]:
-                        if time.monotonic() > deadline:
-                            log.warning("%s[%d] still has an open transaction: going on", topic, task.p)
-                            break
-                        time.sleep(0.2)
+            for topic, p in partitions:
+                # end_offsets retries what a freshly created topic answers at first (no leader yet).
+                while (end := end_offsets(committed, topic, [p])[p][1]) < end_offsets(uncommitted, topic, [p])[p][1]:
+                    if time.monotonic() > deadline:
+                        log.warning("%s[%d] still has an open transaction: going on", topic, p)
+                        break
+                    time.sleep(0.2)
         finally:
             committed.close()
             uncommitted.close()
+        return end
 
     def _on_revoke(self, consumer, partitions) -> None:
         """Commit the transaction left open (this worker still owns the partitions until it returns;
@@ -905,15 +926,20 @@ class SowLoop:
         metrics.ABORTED.inc()
         self._applying = None
         self._open = None
-        if self.eos and self._in_txn:
+        self._waiting_since.clear()  # the inputs are read again: no merge is waiting on one yet
+        if self.eos and (self._in_txn or self._replace_producer):
             self._in_txn = False
             try:
-                if err is not None and getattr(err, "fatal", lambda: False)():
+                if self._replace_producer or (err is not None and getattr(err, "fatal", lambda: False)()):
                     raise KafkaException(err)
                 self.producer.abort_transaction(30)
             except KafkaException:
                 log.warning("transactional producer is fenced or failed: starting a new one")
+                # Until a new one is ready (init_transactions can time out while the broker is away),
+                # every abort tries again: the old one cannot begin a transaction any more.
+                self._replace_producer = True
                 self.producer = self._new_producer()
+                self._replace_producer = False
         for task in list(self.tasks.values()):
             if task.store is not None:
                 task.store.rollback()
@@ -963,22 +989,38 @@ class SowLoop:
 
     def _replay_changelog(self, task: Task, store: PartitionStore) -> tuple[int, bool]:
         """Replay `<topic>.sow` from the store's position to its end. Returns (records read, whether
-        the store must re-seed the changelog: it is ahead of a log that was deleted or truncated)."""
+        the store must re-seed the changelog: the log was deleted and created again since the store
+        read it, and the store keeps the SOW rather than lose it).
+
+        A recreated log is told by its topic ID (`topic_incarnation`, kept in the store's metadata),
+        not by its offsets: they may have grown past the store's position already (records of an
+        aborted re-seed, or of a worker that started on the new log without this store). Whatever
+        the new log holds was written after the store's records, so it is read from its start over
+        them before they are written back. The new incarnation and position are only staged: they
+        become durable with the store commit after the re-seed's transaction, so an abort or a
+        crash before that finds the log recreated again, and re-seeds again. A store of an earlier
+        release, which kept no incarnation, is taken as recreated when it is ahead of the log's
+        settled end."""
         topic = task.engine.spec.sow_topic
         consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
         try:
             ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
             position = store.meta("changelog")
-            if position > high:
-                # The log is behind the store (deleted and recreated while nobody ran): keep the SOW
-                # and write it back to the new log rather than lose it.
-                log.warning("%s[%d] ends at %d but the store has seen %d: keeping the store and re-seeding the changelog",
-                            topic, task.p, high, position)
+            if self._admin is None:
+                self._admin = make_admin(self.bootstrap)
+            incarnation, known = topic_incarnation(self._admin, topic), store.meta("changelog_incarnation")
+            if known:
+                recreated = known != incarnation
+            else:
+                if position > high and self.eos:  # let the markers of a commit land first (this worker's own, after an abort)
+                    high = self._await_settled([(topic, task.p)])
+                recreated = position > high
+            if recreated:
+                log.warning("%s[%d] was deleted and created again since the store read it (to offset %d; the new log ends at %d): "
+                            "keeping the store and re-seeding the changelog", topic, task.p, position, high)
                 metrics.RESEEDS.inc()
-                store.set_meta("changelog", high)
-                store.commit()
-                return 0, store.count() > 0
-            if position < low:  # compacted past the store: rebuild from the start of the log
+                position = low
+            elif position < low:  # compacted past the store: rebuild from the start of the log
                 store.clear()
                 position = low
             count = 0
@@ -995,8 +1037,10 @@ class SowLoop:
                         store.set_meta("changelog", msg.offset() + 1)
                         store.commit()
             store.set_meta("changelog", high)
-            store.commit()
-            return count, False
+            store.set_meta("changelog_incarnation", incarnation)
+            if not recreated:
+                store.commit()
+            return count, recreated and store.count() > 0
         finally:
             consumer.close()
 
@@ -1033,6 +1077,9 @@ class SowLoop:
                 elif len(q) < high // 2 and tp in self._paused:
                     resume.append(TopicPartition(topic, p))
                     self._paused.discard(tp)
+                    # Its end-of-partition came before the pause: messages appended since are not
+                    # fetched yet, so it is behind until the next fetch says otherwise.
+                    task.at_end[rank] = False
                     if task.fetched[rank] >= 0:
                         self.consumer.seek(TopicPartition(topic, p, task.fetched[rank]))
         if pause:

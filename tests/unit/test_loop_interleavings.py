@@ -1,0 +1,139 @@
+"""The worker loop at interleavings a broker gives only by chance (scripted clients: fake_clients):
+a pause across a rebalance, a resume while the log grew, a wait clock across a slow assignment, and
+a changelog re-seed whose transaction does not commit. Each failed before its fix."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from confluent_kafka import KafkaError, KafkaException
+
+from processor.contract.types import SowRecord
+from processor.core.keys import KEY_FORMAT
+from processor.runners.faust.loop import Guarantee
+from processor.state.base import IndexSpec, open_partition_store
+from processor.topology import parse_topology
+
+from .fake_clients import Message, applied_inputs, assign, end_of, now_ms, revoke, scripted_loop
+
+
+def _record(i: int, **fields) -> bytes:
+    return orjson.dumps({"id": i, **fields})
+
+
+def test_a_partition_paused_before_a_rebalance_is_fetched_again_once_assigned_back(monkeypatch, tmp_path):
+    """librdkafka keeps a paused partition paused through a revocation and its new assignment; the
+    loop forgot the pause with the revocation, so nothing would ever resume it."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, queue_high=4, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    # orders' queue fills while orders.delta has said nothing yet (behind): the merge waits, orders is paused.
+    consumer.script.append([Message("orders", 0, i, _record(i), now_ms() - 1000 + i) for i in range(5)])
+    loop.cycle()
+    assert ("orders", 0) in consumer.paused
+    revoke(loop, consumer)
+    assign(loop, consumer)
+    assert ("orders", 0) not in consumer.paused
+
+
+def test_an_input_resumed_after_its_end_is_behind_until_fetched_again(monkeypatch, tmp_path):
+    """orders reached its end, was paused while orders.delta was behind, and resumed: what was
+    appended to it meanwhile is not fetched yet, so a later delta must wait for it."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, queue_high=4, commit_interval_ms=0, guarantee=Guarantee.AT_LEAST_ONCE)
+    applied = applied_inputs(loop)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(5)]
+                           + [end_of("orders", 0, 5), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    assert applied == [] and ("orders", 0) in consumer.paused  # paused at its end, orders.delta behind
+    consumer.script.append([Message("orders.delta", 0, 0, _record(0, x=1), t0 + 100), end_of("orders.delta", 0, 1)])
+    loop.cycle()
+    assert applied == [("orders", i) for i in range(5)] and ("orders", 0) not in consumer.paused
+    # While orders was paused, orders@5 (t0 + 6 s) was appended, then orders.delta@1 (t0 + 7 s). The
+    # delta is fetched first.
+    consumer.script.append([Message("orders.delta", 0, 1, _record(0, x=2), t0 + 7000), end_of("orders.delta", 0, 2)])
+    loop.cycle()
+    consumer.script.append([Message("orders", 0, 5, _record(0, x=0), t0 + 6000), end_of("orders", 0, 6)])
+    loop.cycle()
+    time.sleep(0.05)  # past the order grace
+    loop.cycle()
+    assert applied[5:] == [("orders.delta", 0), ("orders", 5), ("orders.delta", 1)]  # by timestamp: 100, 6000, 7000
+
+
+def test_the_wait_for_an_input_behind_starts_again_after_an_assignment(monkeypatch, tmp_path):
+    """A merge waiting on an input when a rebalance came: the time the new assignment took (waiting
+    for a previous owner's transaction) must not count, or the first merge after it is forced past
+    an input not fetched since."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, max_idle_ms=500, commit_interval_ms=0, guarantee=Guarantee.AT_LEAST_ONCE)
+    applied = applied_inputs(loop)
+    monkeypatch.setattr(loop, "_await_previous_owner", lambda tasks: time.sleep(0.6))
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    consumer.script.append([Message("orders", 0, 0, _record(0), t0 + 10), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    assert applied == []  # orders.delta not heard from: the merge waits
+    revoke(loop, consumer)
+    assign(loop, consumer)  # 0.6 s, past max_idle_ms
+    consumer.script.append([Message("orders", 0, 0, _record(0), t0 + 10), end_of("orders", 0, 1), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    consumer.script.append([Message("orders.delta", 0, 0, _record(0, x=1), t0 + 5), end_of("orders.delta", 0, 1)])
+    loop.cycle()
+    time.sleep(0.05)
+    loop.cycle()
+    assert applied == [("orders.delta", 0), ("orders", 0)]
+
+
+def test_a_changelog_reseed_whose_transaction_aborts_is_done_again(monkeypatch, tmp_path):
+    """The store is ahead of a recreated, empty `.sow`: it writes its records back. When that
+    transaction aborts, the next restore must find the store still ahead and write them again."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    for i in range(3):
+        store.put(spec.key_spec.sow_key({"id": i}), SowRecord({"id": i}, (i + 1) << 10, None, 1_000 + i))
+    store.set_meta("changelog", 10)
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    assign(loop, consumer)
+    producers[-1].fail_next_commit = KafkaError(KafkaError._TIMED_OUT)  # abortable: the batch is aborted
+    loop.cycle()
+    assert producers[-1].aborted == 1 and not producers[-1].delivered
+    loop.cycle()  # the restore again
+    reseeded = [(value, offset) for p in producers for topic, _, offset, value in p.delivered if topic == "orders.sow"]
+    assert sorted(orjson.loads(v)["id"] for v, _ in reseeded) == [0, 1, 2]
+    assert loop.tasks[("orders", 0)].store.meta("changelog") == 3  # the end of what it wrote
+
+
+def test_a_producer_that_could_not_be_replaced_is_replaced_at_the_next_abort(monkeypatch, tmp_path):
+    """A failed abort needs a new transactional producer; when making it fails too (the broker is
+    away), the next abort must try again instead of keeping the one that cannot begin a transaction."""
+    import processor.runners.faust.loop as loop_module
+
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    assign(loop, consumer)
+    first = producers[-1]
+    first.fail_next_commit = KafkaError(KafkaError._TIMED_OUT)
+
+    def abort_fails(timeout=None):
+        raise KafkaException(KafkaError(KafkaError._STATE))
+
+    first.abort_transaction = abort_fails
+    make = loop_module.make_producer
+
+    def unreachable(*args, **config):
+        producer = make(*args, **config)
+        producer.init_transactions = lambda timeout=None: abort_fails()
+        monkeypatch.setattr(loop_module, "make_producer", make)  # the broker is back for the next one
+        return producer
+
+    monkeypatch.setattr(loop_module, "make_producer", unreachable)
+    consumer.script.append([Message("orders", 0, 0, _record(0), now_ms() - 1000), end_of("orders", 0, 1),
+                            end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    try:
+        for _ in range(3):
+            loop.cycle()
+    except KafkaException as exc:  # as SowLoop.run() takes a cycle's broker error
+        loop._recover(exc)
+    assert loop.producer is producers[-1] and loop.producer is not first and len(producers) == 3
