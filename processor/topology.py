@@ -234,18 +234,60 @@ class Topology(BaseModel):
 
     @model_validator(mode="after")
     def _references(self) -> "Topology":
+        # Raised from here a ValueError has no location: each message starts with its own.
         names = [t.topic for t in self.sow]
-        if len(set(names)) != len(names):
-            raise ValueError("a SOW topic is defined twice")
-        for view in self.views:
-            if view.topic not in names:
-                raise ValueError(f"view {view.name} refers to unknown SOW topic {view.topic}")
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"sow[{i}].topic: {name!r} is defined twice")
         view_names = [v.name for v in self.views]
-        if len(set(view_names)) != len(view_names) or set(view_names) & set(names):
-            raise ValueError("view names must be unique and differ from SOW topic names")
+        for i, view in enumerate(self.views):
+            if view.topic not in names:
+                raise ValueError(f"views[{view.name}].topic: unknown SOW topic {view.topic!r} (known: {', '.join(names) or 'none'})")
+            if view.name in view_names[:i]:
+                raise ValueError(f"views[{i}].name: {view.name!r} is defined twice")
+            if view.name in names:
+                raise ValueError(f"views[{view.name}].name: {view.name!r} is also a SOW topic (view names must differ from SOW topic names)")
+        self._check_topic_roles()
         if self.replication_factor and self.min_insync_replicas and self.min_insync_replicas > self.replication_factor:
             raise ValueError(f"min_insync_replicas {self.min_insync_replicas} is above replication_factor {self.replication_factor}")
         return self
+
+    def _check_topic_roles(self) -> None:
+        """Every Kafka topic the topology reads or writes has one role: no topic is written by two
+        SOW topics or views, and none that is written is also read as an input (`expiry_topic: t`
+        on topic t would read every expired record back as a publish). The one sharing allowed is a
+        SOW topic's expired and dead records in one topic (as with `expiry_topic: none`)."""
+        roles: dict[str, tuple[str, str]] = {}  # topic -> (owner, what it is to the owner)
+
+        def claim(name: str | None, where: str, field: str, what: str, owner: str) -> None:
+            if name is None:
+                return
+            if name in roles:
+                other_owner, other_what = roles[name]
+                if other_owner == owner and {what, other_what} == {"expiry topic", "dead event topic"}:
+                    return
+                raise ValueError(f"{where}.{field}: {what} {name!r} is also the {other_what} of {other_owner}")
+            roles[name] = (owner, what)
+
+        for t in self.sow:
+            where, owner = f"sow[{t.topic}]", f"SOW topic {t.topic!r}"
+            conflated = any(view.conflation for view in self.views_of(t.topic))  # as topic_configs
+            for name, field, what in (
+                (t.topic, "topic", "input"),
+                (t.delta_topic, "topic", "delta input"),
+                (t.repartition_topic, "topic", "repartition topic"),
+                (t.sow_topic, "topic", "changelog"),
+                (t.diff_topic, "topic", "diff topic"),
+                (t.errors_topic, "topic", "errors topic"),
+                (t.dead_topic, "dead_event_topic" if t.dead_event_topic else "topic", "dead event topic"),
+                (t.expired_topic, "expiry_topic" if t.expiry_topic else "topic", "expiry topic"),
+                (t.holds_topic if conflated else None, "topic", "holds topic"),
+            ):
+                claim(name, where, field, what, owner)
+        for v in self.views:
+            where, owner = f"views[{v.name}]", f"view {v.name!r}"
+            claim(f"{v.name}.sow", where, "name", "changelog", owner)
+            claim(f"{v.name}.diff", where, "name", "diff topic", owner)
 
     def warnings(self) -> list[str]:
         return [w for spec in self.sow for w in spec.warnings()]
@@ -273,7 +315,10 @@ def _describe(exc: ValidationError, raw: dict) -> str:
             where.append(f"{section}[{label}]")
             loc = loc[2:]
         where.append(".".join(str(p) for p in loc))
-        lines.append(f"{'.'.join(w for w in where if w)}: {error['msg']}")
+        location, msg = ".".join(w for w in where if w), error["msg"]
+        if not location:  # a check of the whole topology: its message names the topic and the field
+            msg = msg.removeprefix("Value error, ")
+        lines.append(f"{location}: {msg}" if location else msg)
     return "invalid topology: " + "; ".join(lines)
 
 

@@ -38,6 +38,7 @@ def _client(bootstrap: str | None, topology: str | None, group: str | None = Non
 def _client_errors():
     from processor.client.sow_client import ClientError
     from processor.core.durations import DurationError
+    from processor.core.paths import PathError
 
     try:
         from processor.core.filters import FilterError
@@ -45,7 +46,7 @@ def _client_errors():
         FilterError = ValueError  # type: ignore[misc,assignment]
     try:
         yield
-    except (ClientError, TopologyError, DurationError, FilterError) as exc:
+    except (ClientError, TopologyError, DurationError, FilterError, PathError) as exc:
         _fail(str(exc))
 
 
@@ -329,11 +330,25 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, grou
                 from processor.client.sow_client import ClientError
 
                 if isinstance(exc, ClientError) and record in (None, "-"):
-                    raise ClientError(f"line {n}: {exc}") from None
+                    # Lines are sent as they are read (stdin may never end): say what became of the
+                    # ones before it.
+                    raise ClientError(f"line {n}: {exc} ({_sent_before(client, count)})") from None
                 raise
             count += 1
         client.flush()
     click.echo(f"published {count} record(s)" + (f", last SowKey {key}" if count else ""), err=True)
+
+
+def _sent_before(client, count: int) -> str:
+    from confluent_kafka import KafkaException
+
+    if not count:
+        return "nothing was published"
+    try:
+        client.flush()
+    except KafkaException as exc:
+        return f"the {count} record(s) before it were not confirmed: {exc}"
+    return f"the {count} record(s) before it were published"
 
 
 @main.command()

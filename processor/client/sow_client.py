@@ -9,6 +9,7 @@ Delta subscriptions compute each delta from consecutive versions of a record wit
 from __future__ import annotations
 
 import logging
+import math
 import os
 import ssl
 import time
@@ -25,10 +26,10 @@ from processor.contract.errors import InputError
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
-from processor.core.codec import Codec, codec_for
+from processor.core.codec import Codec, check_integers, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
-from processor.core.keys import KeyError_
+from processor.core.keys import KeyError_, validate_user_key
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import SowQuery, order_and_cut, result, selection
@@ -107,10 +108,14 @@ class Client:
             raw = record.encode() if isinstance(record, str) else record
             try:
                 data = orjson.loads(raw)
+                check_integers(raw)
             except orjson.JSONDecodeError as exc:
                 raise ClientError(f"not valid JSON: {exc}") from None
+            except InputError as exc:
+                raise ClientError(str(exc)) from None
         else:
             data = record
+            _check_finite(data)
         if not isinstance(data, dict):
             raise ClientError(f"a record must be a JSON object, got {type(data).__name__}")
         try:
@@ -161,6 +166,13 @@ class Client:
             compile_filter(filter)  # raises FilterError pointing at the position
             headers.append((H.FILTER, filter.encode()))
         elif keys:
+            if isinstance(keys, str):
+                raise ClientError("keys must be a list of SowKeys, not one string")
+            for key in keys:
+                try:
+                    validate_user_key(key)
+                except KeyError_ as exc:
+                    raise ClientError(str(exc)) from None
             headers.append((H.KEYS, ",".join(keys).encode()))
         elif data is not None:
             value, record = self._encode(spec, data)
@@ -438,6 +450,18 @@ class Client:
                     return
         finally:
             consumer.close()
+
+
+def _check_finite(value: Any, path: str = "") -> None:
+    """NaN and infinities are no JSON numbers (orjson would write them as null, without a word)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ClientError(f"field {path or '/'} is {value}, which JSON cannot carry")
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            _check_finite(inner, f"{path}/{name}")
+    elif isinstance(value, (list, tuple)):
+        for i, inner in enumerate(value):
+            _check_finite(inner, f"{path}/{i}")
 
 
 def _live_topic(spec: SowTopic) -> str:

@@ -36,7 +36,8 @@ def _bounded(ms: float, given: object) -> int:
     if not ms <= MAX_DURATION_MS:  # also infinity, e.g. from 400 digits
         limit = format_duration_ms(MAX_DURATION_MS)
         raise DurationError(f"duration {_shown(given)} is over the limit of {limit} (about 100 years)")
-    return int(round(ms))
+    rounded = int(round(ms))
+    return 1 if rounded == 0 and ms > 0 else rounded  # under half a millisecond is the shortest lifetime, not 0 (never)
 
 
 def _shown(value: object, width: int = 40) -> str:

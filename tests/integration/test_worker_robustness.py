@@ -139,3 +139,22 @@ def test_a_delete_by_filter_over_many_records_commits_as_it_goes(kafka_bootstrap
         assert worker.proc.poll() is None
     finally:
         worker.kill()
+
+
+def test_publish_from_stdin_stops_at_a_bad_line_and_says_what_went_before_it(kafka_bootstrap, unique_name, tmp_path):
+    from click.testing import CliRunner
+
+    from processor.cli.commands import main
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        lines = '{"id": 1}\n{"id": 2}\n{"id": 3\n{"id": 4}\n'
+        result = CliRunner().invoke(main, ["publish", unique_name, "-", "--bootstrap", kafka_bootstrap, "--topology", str(path)], input=lines)
+        assert result.exit_code == 1
+        assert "line 3: not valid JSON" in result.output and "the 2 record(s) before it were published" in result.output
+        wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 2, 60, "the two lines before the bad one")
+        assert sorted(r["id"] for r in _sow(kafka_bootstrap, spec).values()) == [1, 2]
+    finally:
+        worker.kill()

@@ -24,8 +24,12 @@ def test_publish_rejects_bad_json_and_missing_keys(run):
     assert result.exit_code == 1 and "not valid JSON" in result.output
     result = run("publish", "orders", *NOWHERE, '{"qty": 1}')
     assert result.exit_code == 1 and "missing key field /order_id" in result.output
-    result = run("publish", "orders", *NOWHERE, "-", input='{"order_id": 1}\n[1]\n')
-    assert result.exit_code == 1 and "line 2" in result.output
+    result = run("publish", "orders", *NOWHERE, "-", input='\n[1]\n{"order_id": 1}\n')
+    assert result.exit_code == 1 and "line 2" in result.output and "nothing was published" in result.output
+    result = run("subscribe", "orders", *NOWHERE, "--select", "qty")
+    assert result.exit_code == 1 and "field path must look like /field" in result.output and "Traceback" not in result.output
+    result = run("delete", "orders", *NOWHERE, "--keys", "not base64!")
+    assert result.exit_code == 1 and "must use only Base64 characters" in result.output
     result = run("publish", "orders", *NOWHERE, "--expiration", "soon", '{"order_id": 1}')
     assert result.exit_code == 1 and "not a duration" in result.output
 

@@ -31,3 +31,20 @@ def test_close_lets_the_producer_go_and_a_later_publish_makes_a_new_one():
     assert client._producer is None
     assert client.producer is not first
     client.close()
+
+
+def test_values_json_cannot_carry_are_refused_before_anything_is_sent():
+    """NaN and infinities would go out as null; an integer past 64 bits as a float, which could give
+    two order IDs one SowKey. The client refuses both and says which field."""
+    import pytest
+
+    from processor.client.sow_client import ClientError
+
+    client = Client("127.0.0.1:1")
+    with pytest.raises(ClientError, match=r"field /legs/1/px is nan"):
+        client.publish("orders", {"order_id": 1, "legs": [{"px": 1.5}, {"px": float("nan")}]})
+    with pytest.raises(ClientError, match=r"field /order_id is inf"):
+        client.publish("orders", {"order_id": float("inf")})
+    with pytest.raises(ClientError, match=r"integer 123456789012345678901234567890 is outside the 64-bit range"):
+        client.publish("orders", '{"order_id": 123456789012345678901234567890}')
+    assert client._producer is None  # nothing was produced

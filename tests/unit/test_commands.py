@@ -1,6 +1,9 @@
 """Parsing input messages into commands; every bad input is an InputError with a reason."""
 
+import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from processor.contract.errors import ConfigError, InputError
 from processor.contract.limits import MAX_DELETE_KEYS, check_environment
@@ -89,3 +92,17 @@ def test_user_keys_topic():
 
 def test_unrelated_headers_ignored():
     assert header_map([("traceparent", b"\xff\xfe"), ("sow-key", b"x")]) == {"sow-key": "x"}
+
+
+@pytest.mark.parametrize("value", [b'{"id": 18446744073709551616}', b'{"id": 1, "n": [-9223372036854775809]}',
+                                   b'{"id": 1, "deep": {"n": 123456789012345678901234567890}}'])
+def test_an_integer_json_cannot_keep_exactly_is_an_error_not_a_float(value):
+    """orjson would read it as a float: two IDs differing in their last digits would share a SowKey."""
+    with pytest.raises(InputError, match="outside the 64-bit range"):
+        parse(value)
+
+
+@given(st.integers(-(1 << 63), (1 << 64) - 1), st.text(alphabet="0123456789-", max_size=40))
+def test_integers_in_range_and_digit_strings_are_kept_exactly(n, digits):
+    cmd = parse(orjson.dumps({"id": n, "s": digits}))
+    assert cmd.data == {"id": n, "s": digits} and type(cmd.data["id"]) is int

@@ -130,3 +130,9 @@ def test_is_due():
 def test_a_record_is_live_until_its_instant(policy, expires_at, now):
     # At its instant a record is gone; on a disabled topic instants are stored, never acted on.
     assert policy.is_live(expires_at, now) == (not policy.active or expires_at is None or expires_at > now)
+
+
+@pytest.mark.parametrize("text", ["0.4ms", "0.0001", "0.0004s"])
+def test_a_positive_lifetime_too_short_to_count_is_one_millisecond_not_never(text):
+    """0 means never expires: a lifetime under half a millisecond must not round to it."""
+    assert parse_duration_ms(text) == 1

@@ -78,3 +78,80 @@ def test_warns_when_a_topic_default_overrides_clamps():
     ]})
     (warning,) = topo.warnings()
     assert warning.startswith("sow[a]: expiration 30s") and "overrides max_expiration" in warning
+
+
+def _rejected(raw: dict) -> str:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(raw)
+    message = str(info.value)
+    assert message.startswith("invalid topology: ") and not message.startswith("invalid topology: :")
+    return message.removeprefix("invalid topology: ")
+
+
+def test_expiry_topic_may_not_be_its_own_input():
+    """Every expired record would be read back as a publish, so it would never go away."""
+    assert _rejected({"sow": [{"topic": "loopt", "expiry_topic": "loopt"}]}) == (
+        "sow[loopt].expiry_topic: expiry topic 'loopt' is also the input of SOW topic 'loopt'")
+
+
+def test_dead_event_topic_may_not_be_its_own_changelog():
+    assert _rejected({"sow": [{"topic": "a", "dead_event_topic": "a.sow"}]}) == (
+        "sow[a].dead_event_topic: dead event topic 'a.sow' is also the changelog of SOW topic 'a'")
+
+
+def test_a_sow_topic_may_not_be_the_delta_input_of_another():
+    assert _rejected({"sow": [{"topic": "a"}, {"topic": "a.delta"}]}) == (
+        "sow[a.delta].topic: input 'a.delta' is also the delta input of SOW topic 'a'")
+    assert _rejected({"sow": [{"topic": "a.delta"}, {"topic": "a"}]}) == (
+        "sow[a].topic: delta input 'a.delta' is also the input of SOW topic 'a.delta'")
+
+
+def test_a_sow_topic_may_not_be_the_changelog_of_another():
+    assert _rejected({"sow": [{"topic": "a"}, {"topic": "a.sow"}]}) == (
+        "sow[a.sow].topic: input 'a.sow' is also the changelog of SOW topic 'a'")
+
+
+@pytest.mark.parametrize("sow,view,message", [
+    ([{"topic": "a"}, {"topic": "v.sow"}], "v", "views[v].name: changelog 'v.sow' is also the input of SOW topic 'v.sow'"),
+    ([{"topic": "a"}], "a.errors", None),  # a.errors.sow / a.errors.diff: no clash
+    ([{"topic": "a", "expiry_topic": "v.sow"}], "v", "views[v].name: changelog 'v.sow' is also the expiry topic of SOW topic 'a'"),
+    ([{"topic": "a"}, {"topic": "b", "dead_event_topic": "a.dead"}], "v",
+     "sow[b].dead_event_topic: dead event topic 'a.dead' is also the dead event topic of SOW topic 'a'"),
+])
+def test_views_and_sow_topics_write_topics_of_their_own(sow, view, message):
+    raw = {"sow": sow, "views": [{"name": view, "topic": "a"}]}
+    if message is None:
+        parse_topology(raw)
+    else:
+        assert _rejected(raw) == message
+
+
+def test_two_views_may_not_write_the_same_topic():
+    raw = {"sow": [{"topic": "a"}], "views": [{"name": "v", "topic": "a"}, {"name": "v", "topic": "a"}]}
+    assert _rejected(raw) == "views[1].name: 'v' is defined twice"
+
+
+def test_holds_topic_is_claimed_when_a_view_conflates():
+    sow = [{"topic": "a", "expiry_topic": "a.holds"}]
+    parse_topology({"sow": sow, "views": [{"name": "v", "topic": "a"}]})
+    assert _rejected({"sow": sow, "views": [{"name": "v", "topic": "a", "conflation": "1s"}]}) == (
+        "sow[a].topic: holds topic 'a.holds' is also the expiry topic of SOW topic 'a'")
+
+
+def test_expired_and_dead_records_may_share_a_topic():
+    """As with `expiry_topic: none`, where expired records go to the dead event topic."""
+    parse_topology({"sow": [{"topic": "a", "expiry_topic": "a.dead"}]})
+    parse_topology({"sow": [{"topic": "a", "expiry_topic": "gone", "dead_event_topic": "gone"}]})
+
+
+def test_duplicate_and_unknown_topics_are_named():
+    assert _rejected({"sow": [{"topic": "a"}, {"topic": "a"}]}) == "sow[1].topic: 'a' is defined twice"
+    assert _rejected({"sow": [{"topic": "a"}], "views": [{"name": "v", "topic": "nope"}]}) == (
+        "views[v].topic: unknown SOW topic 'nope' (known: a)")
+
+
+def test_repo_topologies_still_load():
+    files = sorted(DEFAULT_TOPOLOGY.parent.glob("*.yaml"))
+    assert DEFAULT_TOPOLOGY in files
+    for path in files:
+        load_topology(path)
