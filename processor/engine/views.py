@@ -80,6 +80,8 @@ class ViewProcessor:
         base = [(H.KEY, key), (H.SEQ, b"%d" % t.seq)]
         if expires is not None:
             base.append((H.EXPIRES_AT, b"%d" % expires))
+        if t.op is Op.EXPIRE:  # as on the SOW topic's own expire events
+            base.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
         if now_in:
             out.append(Output(self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, t.op.value.encode())]))
         elif was:

@@ -342,3 +342,14 @@ def test_delete_by_filter_sees_records_of_the_same_batch():
     assert [dict(r.headers)["sow-op"] for r in out if r.topic == "orders.sow"] == [b"insert", b"delete"]
     proc.commit(0)
     assert proc.stores[0].count() == 0
+
+
+def test_a_view_tells_when_its_records_expired_as_the_topic_does(tmp_path):
+    """Expire events carry `sow-actual-expiry` on every topic that tells them, the views' too."""
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "expiration": "10s"}],
+                               "views": [{"name": "open_orders", "topic": "orders", "filter": "/s = 'open'", "options": ["oof"]}]})
+    proc = LocalTopic(topology.topic("orders"), tmp_path, views=topology.views_of("orders"))
+    run(proc, [msg(proc, {"id": 1, "s": "open"}, ts=1_000, partition=0)])
+    out = by_topic(proc.expire_due(0, now=11_050))
+    for topic in ("orders.sow", "open_orders.sow", "open_orders.diff"):
+        assert hdr(out[topic][0], "sow-op") in (b"expire", b"oof") and hdr(out[topic][0], "sow-actual-expiry") == b"11050", topic
