@@ -50,7 +50,10 @@ def _exact_integers(data: bytes) -> None:
             raise InputError(f"integer {shown} is outside the 64-bit range a JSON number is kept in: send it as a string")
         return value
 
-    json.loads(data, parse_int=exact)
+    try:
+        json.loads(data, parse_int=exact)
+    except RecursionError:  # orjson reads deeper than the standard library can
+        raise InputError("value nests too deep to check that its integers are kept exactly") from None
 
 
 class JsonCodec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Iterator
@@ -13,6 +14,8 @@ from processor.contract.errors import ConfigError
 from processor.contract.limits import read_idle_timeout
 from processor.kafka.config import kafka_config
 from processor.topology import SowTopic
+
+log = logging.getLogger("ksow.kafka")
 
 # librdkafka's default 1 s fetch-queue backoff stalls loops that read to the end of a partition.
 _FAST_FETCH = {"fetch.queue.backoff.ms": 20, "fetch.wait.max.ms": 50}
@@ -193,14 +196,22 @@ _TRANSIENT = {
 
 
 def topic_incarnation(admin: AdminClient, topic: str, timeout: float = 30.0) -> int:
-    """A positive number that changes when `topic` is deleted and created again (from its topic ID):
-    a store keeps it beside its position in the topic, as offsets of one incarnation of a topic say
-    nothing of another (a recreated log may already hold more records, aborted ones too, than the
-    store had read of the old one)."""
+    """A positive number that changes when `topic` is deleted and created again (from its topic ID),
+    or 0 when the cluster does not say (no topic IDs, or the request failed): a store keeps it
+    beside its position in the topic, as offsets of one incarnation of a topic say nothing of
+    another (a recreated log may already hold more records, aborted ones too, than the store had
+    read of the old one)."""
     from confluent_kafka import TopicCollection
 
-    uid = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic].result(timeout).topic_id
-    return ((uid.get_most_significant_bits() ^ uid.get_least_significant_bits()) & ((1 << 63) - 1)) or 1
+    try:
+        uid = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout)[topic].result(timeout).topic_id
+    except KafkaException as exc:
+        log.warning("no topic ID for %s (%s): a recreated log is told by its offsets alone", topic, exc)
+        return 0
+    if uid is None:
+        return 0
+    bits = uid.get_most_significant_bits() ^ uid.get_least_significant_bits()
+    return (bits & ((1 << 63) - 1)) or (1 if bits else 0)  # a zero ID: none
 
 
 def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:

@@ -137,3 +137,38 @@ def test_a_producer_that_could_not_be_replaced_is_replaced_at_the_next_abort(mon
     except KafkaException as exc:  # as SowLoop.run() takes a cycle's broker error
         loop._recover(exc)
     assert loop.producer is producers[-1] and loop.producer is not first and len(producers) == 3
+
+
+def test_a_topic_incarnation_is_unknown_when_the_cluster_gives_no_topic_id():
+    """0 (unknown) sends a restore back to telling a recreated log by its offsets: a zero ID (a
+    cluster without topic IDs) or a refused request must not read as one unchanging incarnation."""
+    from concurrent.futures import Future
+
+    from processor.kafka.clients import topic_incarnation
+
+    class Uuid:
+        def __init__(self, high: int, low: int):
+            self.bits = (high, low)
+
+        def get_most_significant_bits(self) -> int:
+            return self.bits[0]
+
+        def get_least_significant_bits(self) -> int:
+            return self.bits[1]
+
+    class Admin:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def describe_topics(self, topics, request_timeout=None):
+            future: Future = Future()
+            if isinstance(self.answer, Exception):
+                future.set_exception(self.answer)
+            else:
+                future.set_result(type("Description", (), {"topic_id": self.answer})())
+            return {"t": future}
+
+    assert topic_incarnation(Admin(Uuid(0, 0)), "t") == 0
+    assert topic_incarnation(Admin(KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))), "t") == 0
+    one, other = topic_incarnation(Admin(Uuid(-5, 17)), "t"), topic_incarnation(Admin(Uuid(-5, 18)), "t")
+    assert one > 0 and other > 0 and one != other

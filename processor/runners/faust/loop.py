@@ -999,8 +999,8 @@ class SowLoop:
         them before they are written back. The new incarnation and position are only staged: they
         become durable with the store commit after the re-seed's transaction, so an abort or a
         crash before that finds the log recreated again, and re-seeds again. A store of an earlier
-        release, which kept no incarnation, is taken as recreated when it is ahead of the log's
-        settled end."""
+        release, which kept no incarnation, or on a cluster that gives no topic IDs, is taken as
+        recreated when it is ahead of the log's settled end."""
         topic = task.engine.spec.sow_topic
         consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
         try:
@@ -1009,7 +1009,7 @@ class SowLoop:
             if self._admin is None:
                 self._admin = make_admin(self.bootstrap)
             incarnation, known = topic_incarnation(self._admin, topic), store.meta("changelog_incarnation")
-            if known:
+            if known and incarnation:
                 recreated = known != incarnation
             else:
                 if position > high and self.eos:  # let the markers of a commit land first (this worker's own, after an abort)
@@ -1037,7 +1037,8 @@ class SowLoop:
                         store.set_meta("changelog", msg.offset() + 1)
                         store.commit()
             store.set_meta("changelog", high)
-            store.set_meta("changelog_incarnation", incarnation)
+            if incarnation:
+                store.set_meta("changelog_incarnation", incarnation)
             if not recreated:
                 store.commit()
             return count, recreated and store.count() > 0

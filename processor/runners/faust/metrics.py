@@ -27,7 +27,7 @@ LOOP_STEPS = ("consume", "file", "apply", "sweep", "prepare", "commit_wait", "st
 LOOP_SECONDS = Counter("ksow_loop_seconds", "Wall time of the worker's loop thread, by step", ["step"], registry=REGISTRY)
 # Expiry on time, as a deployment sees it: a sweep of a partition that expired records observes how
 # late it came for the oldest of them (the sweep's `sow-actual-expiry` less that record's
-# `sow-expires-at`; the later records of the sweep were due after it, so no less late). Sweeps run
+# `sow-expires-at`; the others were due after it, so they came less late: the sweep's worst). Sweeps run
 # every KSOW_EXPIRY_TICK_MS; one falling behind shows here before anyone reads `EXP.`.
 EXPIRY_LATENESS = Histogram(
     "ksow_expiry_lateness_seconds", "How late each sweep of a partition expired the oldest record it expired, by SOW topic",
