@@ -206,6 +206,17 @@ class View(BaseModel):
     def _select(cls, value: list[str]) -> list[str]:
         return _check_paths(value)
 
+    @field_validator("filter")
+    @classmethod
+    def _filter(cls, value: str) -> str:
+        from processor.core.filters import FilterError, compile_filter
+
+        try:
+            compile_filter(value)
+        except FilterError as exc:  # a ValueError pydantic reports with the view and the field
+            raise ValueError(str(exc)) from None
+        return value
+
     @field_validator("options")
     @classmethod
     def _options(cls, value: list[str]) -> list[str]:

@@ -88,9 +88,12 @@ def main() -> None:
               "properties file to pass as --kafka-config.")
 def broker(port: int | None, secured: bool) -> None:
     """Run the embedded Kafka broker in the foreground; first line: its bootstrap address."""
-    from processor.kafka.embedded import run_foreground
+    from processor.kafka.embedded import BrokerError, run_foreground
 
-    run_foreground(port, secured=secured)
+    try:
+        run_foreground(port, secured=secured)
+    except BrokerError as exc:
+        _fail(str(exc))
 
 
 @contextlib.contextmanager

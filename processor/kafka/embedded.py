@@ -491,6 +491,9 @@ class EmbeddedKafka:
     def _launch_until_ready(self, libs: Path, began: float) -> None:
         """Launch; with auto-picked ports, retry if another process grabbed one first."""
         attempts = 1 if self.requested_port is not None else 3
+        if self.requested_port is not None and _port_open(self.requested_port):
+            # Checked first: another broker there would answer the readiness checks as if it were this one.
+            raise BrokerError(f"port {self.requested_port} is in use (another broker?): choose another port, or none to get a free one")
         for attempt in range(attempts):
             self.port = self.requested_port or _free_port()
             self.controller_port = _free_port()

@@ -11,6 +11,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -202,6 +203,21 @@ def test_run_foreground_prints_address_first_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@needs_java
+def test_a_port_in_use_is_a_clear_error_not_another_broker_taken_for_this_one():
+    from click.testing import CliRunner
+
+    from processor.cli.commands import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["broker", "--port", str(port)])
+    assert result.exit_code == 1 and f"port {port} is in use" in result.output, result.output
+    assert f"127.0.0.1:{port}" not in result.output  # no address of a broker that is not this one
 
 
 @needs_java

@@ -155,3 +155,9 @@ def test_repo_topologies_still_load():
     assert DEFAULT_TOPOLOGY in files
     for path in files:
         load_topology(path)
+
+
+def test_a_view_filter_that_does_not_parse_is_a_topology_error():
+    """Not a traceback when the worker starts: the view and the field, and where the filter breaks."""
+    message = _rejected({"sow": [{"topic": "vb", "key": ["/id"]}], "views": [{"name": "vbv", "topic": "vb", "filter": "/x >> 1"}]})
+    assert message.startswith("views[vbv].filter: ") and "position 4" in message
