@@ -162,7 +162,10 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     unit_ms = F.lit(_UNITS_MS["s"]).cast("long")
     for name, size in _UNITS_MS.items():
         unit_ms = F.when(unit == name, F.lit(size).cast("long")).otherwise(unit_ms)
-    header_ms = F.bround(number.try_cast("double") * unit_ms, 0).cast("long")
+    exact_ms = number.try_cast("double") * unit_ms
+    header_ms = F.bround(exact_ms, 0).cast("long")
+    # As the core: a positive lifetime under half a millisecond is 1 ms, not 0 (never expires).
+    header_ms = F.when((header_ms == 0) & (exact_ms > 0), F.lit(1).cast("long")).otherwise(header_ms)
     valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
     policy = spec.expiry
     # message_ms present: 0 means never; absent: the topic default (None unless mode "default").

@@ -200,7 +200,7 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     assert [r.asDict() for r in rows] == [{"region": "eu", "n": 3, "qty": 26}, {"region": "us", "n": 1, "qty": 7}]
 
 
-LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
+LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "0.0004", "0.4ms", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
 POLICIES = [
     dict(expiration=None),
     dict(expiration="enabled"),
