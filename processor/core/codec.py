@@ -36,13 +36,10 @@ _INT_RANGE = (-(1 << 63), 1 << 64)
 
 def check_integers(data: bytes) -> None:
     """Raise InputError when the JSON `data` holds an integer that would not be kept exactly."""
-    if _TWENTY in data.translate(_DIGITS_AS_NINES):
-        _exact_integers(data)
-
-
-def _exact_integers(data: bytes) -> None:
-    """Read `data` again with every integer exact (the standard library's parser) to find one
-    outside the range (what the quick scan cannot tell from a run of digits in a string)."""
+    if _TWENTY not in data.translate(_DIGITS_AS_NINES):
+        return
+    # Read again with every integer exact (the standard library's parser): a run of digits may
+    # be in a string, which the quick scan cannot tell.
 
     def exact(text: str) -> int:
         if len(text) > 21 or not _INT_RANGE[0] <= (value := int(text)) < _INT_RANGE[1]:
@@ -65,8 +62,7 @@ class JsonCodec:
             record = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise InputError(f"value is not valid JSON: {exc}") from None
-        if _TWENTY in data.translate(_DIGITS_AS_NINES):  # check_integers, inline: every input passes here
-            _exact_integers(data)
+        check_integers(data)
         if not isinstance(record, dict):
             raise InputError(f"value must be a JSON object, got {type(record).__name__}")
         return record
