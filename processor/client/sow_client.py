@@ -14,7 +14,6 @@ import os
 import ssl
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -75,6 +74,7 @@ class Client:
         self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
         self._producer_error: KafkaError | None = None
+        self._existing: set[str] = set()  # Kafka topics seen to exist (see `_require`)
 
     # helpers ------------------------------------------------------------------------------
     def spec(self, topic: str) -> SowTopic:
@@ -91,8 +91,21 @@ class Client:
     @property
     def producer(self):
         if self._producer is None:
-            self._producer = make_producer(self.bootstrap, error_cb=self._remember_error)
+            # Never let a publish create a topic: an auto-created input or changelog would have the
+            # broker's partition count and settings, not the topology's.
+            self._producer = make_producer(self.bootstrap, error_cb=self._remember_error, **{"allow.auto.create.topics": False})
         return self._producer
+
+    def _require(self, handle, name: str) -> None:
+        """Fail at once, naming the topic, when a Kafka topic of the topology does not exist yet:
+        otherwise a publish or a read waits 30 s and then reports an unknown partition."""
+        if name in self._existing:
+            return
+        found = handle.list_topics(name, timeout=10).topics.get(name)
+        if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
+                              "when they start (ksow up --topology ...)")
+        self._existing.add(name)
 
     def _remember_error(self, error: KafkaError) -> None:
         """Keep the producer's last error: a flush that times out says why (refused login, ...).
@@ -136,6 +149,9 @@ class Client:
                 raise ClientError(str(exc)) from None
             headers.append((H.EXPIRATION, str(expiration).encode()))
         if sow_key:
+            if not spec.key_spec.user_keys:  # the worker would ignore it: say so rather than publish
+                raise ClientError(f"{topic} makes each SowKey from the record's key fields "
+                                  f"({', '.join(spec.key_spec.paths)}); a sow-key is for topics without key fields")
             headers.append((H.KEY, sow_key.encode()))
         try:
             key = spec.key_spec.sow_key(data, sow_key)
@@ -146,6 +162,7 @@ class Client:
             # this publisher's full publishes of the record, they are applied in the order sent,
             # whatever the timestamps (README "Ordering").
             headers.append((H.COMMAND, b"delta_publish"))
+        self._require(self.producer, spec.topic)
         produce(self.producer, spec.topic, value, key.encode(), headers=headers)
         self.producer.poll(0)
         return key
@@ -163,6 +180,8 @@ class Client:
         if filter is not None:
             from processor.core.filters import compile_filter
 
+            if not filter.strip():
+                raise ClientError("a blank filter would delete every record: say '1=1' to mean that")
             compile_filter(filter)  # raises FilterError pointing at the position
             headers.append((H.FILTER, filter.encode()))
         elif keys:
@@ -182,6 +201,7 @@ class Client:
                 raise ClientError(str(exc)) from None
         else:
             raise ClientError("delete needs a filter, keys or data")
+        self._require(self.producer, spec.topic)
         if wait is None:
             produce(self.producer, spec.topic, value, key, headers=headers)
             self.producer.poll(0)
@@ -237,6 +257,11 @@ class Client:
         Records past their instant are left out (see `_decode_change`), swept or not."""
         consumer = make_consumer(self.bootstrap)
         topic = _live_topic(spec)
+        try:
+            self._require(consumer, topic)
+        except ClientError:
+            consumer.close()
+            raise
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
         if topic != spec.sow_topic:  # a transient topic keeps no SOW: nothing to read before the live stream
             return {}, ends, consumer, []
@@ -288,12 +313,12 @@ class Client:
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         from concurrent.futures import ThreadPoolExecutor
 
-        params = urllib.parse.urlencode(query.to_params())
+        params = orjson.dumps(query.to_params())
         for attempt in range(attempts):
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
-            ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}?{params}", self.web_token, self._tls)  # noqa: E731
+            ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, body=params)  # noqa: E731
             with ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
                 answers = list(pool.map(ask, workers))
             covered: set[int] = set()
@@ -510,10 +535,14 @@ def _apply_change(state: dict, change: SowMessage, policy: ExpiryPolicy) -> tupl
     return op, key, change.seq, before[0] if before else None, after, change.expires_at
 
 
-def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0) -> Any:
-    """GET a worker's JSON answer; None when the worker is gone or answers no JSON (its
-    partitions will be missing, and another worker or the changelog answers for them)."""
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0, body: bytes | None = None) -> Any:
+    """GET a worker's JSON answer (POST `body`, a JSON object, when given); None when the worker is
+    gone or answers no JSON (its partitions will be missing, and another worker or the changelog
+    answers for them)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
             return orjson.loads(response.read())

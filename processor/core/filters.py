@@ -63,7 +63,11 @@ class FilterError(ValueError):
         self.expected = expected
         self.found = found
         what = f"found {found}" if found else "invalid filter"
-        lines = [f"{what} at position {position}; expected one of: {', '.join(expected)}"]
+        where = f"position {position}"
+        if "\n" in text or "\r" in text:
+            line = text.count("\n", 0, position) + 1
+            where += f" (line {line}, column {position - _line_start(text, position) + 1})"
+        lines = [f"{what} at {where}; expected one of: {', '.join(expected)}"]
         shown, caret = _window(text, position)
         lines += [f"  {shown}", "  " + " " * caret + "^"]
         super().__init__("\n".join(lines))
@@ -72,16 +76,23 @@ class FilterError(ValueError):
         return FilterError, (self.text, self.position, self.expected, self.found)
 
 
+def _line_start(text: str, position: int) -> int:
+    return max(text.rfind("\n", 0, position), text.rfind("\r", 0, position)) + 1
+
+
 def _window(text: str, position: int, width: int = 80) -> tuple[str, int]:
-    """The text around a position, cut to about `width` characters (an error reason on `.errors`
-    must not echo a huge filter), and where the position is in it."""
-    if len(text) <= width:
-        return text, position
-    start = max(0, min(position - width // 2, len(text) - width))
-    shown = text[start : start + width]
-    head = "..." if start else ""
-    tail = "..." if start + width < len(text) else ""
-    return head + shown + tail, position - start + len(head)
+    """The line of the text around a position, cut to about `width` characters (an error reason
+    on `.errors` must not echo a huge filter), and where the position is in it. Tabs and other
+    whitespace show as one space each, so the caret lines up under them."""
+    start = _line_start(text, position)
+    end = min((i for i in (text.find("\n", position), text.find("\r", position)) if i >= 0), default=len(text))
+    text, position = text[start:end], position - start
+    head = tail = ""
+    if len(text) > width:
+        start = max(0, min(position - width // 2, len(text) - width))
+        head, tail = "..." if start else "", "..." if start + width < len(text) else ""
+        text, position = text[start : start + width], position - start
+    return head + re.sub(r"\s", " ", text) + tail, position + len(head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +325,16 @@ def _flatten(kind: type, items: list) -> tuple:
 _PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False)
 
 
+# Parsing costs ~60 us a term here: this bound keeps any one filter (from a header, a query or a
+# subscription) under ~0.4 s of a worker's time.
+MAX_FILTER_CHARS = 65_536
+
+
 def _parse(text: str) -> Any:
+    if len(text) > MAX_FILTER_CHARS:
+        raise FilterError(text, MAX_FILTER_CHARS, [f"a filter of at most {MAX_FILTER_CHARS:,} characters"], f"{len(text):,} characters")
+    if not text.strip():
+        text = "1=1"  # an empty or blank filter matches everything, as no filter does
     try:
         tree = _PARSER.parse(text)
     except UnexpectedToken as exc:

@@ -18,7 +18,7 @@ from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import Filter, compile_filter
-from processor.core.paths import MISSING, get_path, project, split_path
+from processor.core.paths import MISSING, PathError, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore
 
@@ -29,14 +29,18 @@ class SowQuery:
     keys: tuple[str, ...] = ()
     select: tuple[str, ...] = ()
     top: int | None = None
-    order_by: str | None = None  # "/path" or "/path DESC"
+    order_by: str | None = None  # "/path", "/path ASC" or "/path DESC"
+
+    def __post_init__(self) -> None:
+        """A bad top or order_by is the caller's error, before any worker is asked."""
+        if self.top is not None and self.top < 0:
+            raise QueryError(f"top must not be negative, got {self.top}")
+        self.ordering  # noqa: B018 - parses order_by
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> "SowQuery":
         split = lambda name: tuple(x.strip() for x in params.get(name, "").split(",") if x.strip())  # noqa: E731
         top = int(params["top"]) if params.get("top") else None
-        if top is not None and top < 0:
-            raise ValueError(f"top must not be negative, got {top}")
         return cls(params.get("filter") or None, split("keys"), split("select"), top, params.get("order_by") or None)
 
     def to_params(self) -> dict[str, str]:
@@ -55,11 +59,21 @@ class SowQuery:
 
     @property
     def ordering(self) -> tuple[tuple[str, ...], bool] | None:
+        """(path, descending) from order_by, or None; a QueryError when it is neither a path nor a
+        path followed by ASC or DESC."""
         if not self.order_by:
             return None
         parts = self.order_by.split()
-        descending = len(parts) > 1 and parts[1].upper() == "DESC"
-        return split_path(parts[0]), descending
+        if len(parts) > 2 or (len(parts) == 2 and parts[1].upper() not in ("ASC", "DESC")):
+            raise QueryError(f"order_by must be a field path, optionally followed by ASC or DESC; got {self.order_by!r}")
+        try:
+            return split_path(parts[0]), len(parts) == 2 and parts[1].upper() == "DESC"
+        except PathError as exc:
+            raise QueryError(f"order_by: {exc}") from None
+
+
+class QueryError(KsowError, ValueError):
+    """A query whose options cannot be used (order_by, top)."""
 
 
 class QueryLimitError(KsowError):

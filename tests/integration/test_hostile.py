@@ -178,3 +178,27 @@ def test_junk_registry_entries_do_not_break_queries(kafka_bootstrap, unique_name
         assert cli.stderr.count(b"skipped a bad") == len(junk)
     finally:
         worker.kill()
+
+
+def test_a_topic_no_worker_has_created_is_a_prompt_error_naming_it(kafka_bootstrap, unique_name, tmp_path):
+    """Publish, query, subscribe and delete on a topology topic whose Kafka topics do not exist
+    yet: each says so within seconds (they used to wait 30 s, then report an unknown partition),
+    and the publish does not create the input topic as a side effect."""
+    path = write_topology(tmp_path, unique_name)
+    client = Client(kafka_bootstrap, load_topology(path), f"g-{unique_name}")
+    calls = {
+        "publish": lambda: client.publish(unique_name, {"id": 1}),
+        "query": lambda: client.query(unique_name),
+        "subscribe": lambda: next(iter(client.subscribe(unique_name, timeout=2))),
+        "delete": lambda: client.delete(unique_name, filter="1=1"),
+    }
+    for name, call in calls.items():
+        began = time.monotonic()
+        with pytest.raises(ClientError, match=rf"Kafka topic {unique_name}(\.sow)? does not exist"):
+            call()
+        assert time.monotonic() - began < 12, name
+    client.close()
+    assert unique_name not in make_consumer(kafka_bootstrap).list_topics(timeout=10).topics
+    out = _ksow("publish", unique_name, "--topology", str(path), "--bootstrap", kafka_bootstrap, '{"id": 1}')
+    assert out.returncode == 1 and f"Kafka topic {unique_name} does not exist" in out.stderr.decode()
+    assert b"Traceback" not in out.stderr

@@ -53,6 +53,30 @@ def test_queries_fan_out_to_both_workers(cluster):
     assert err.value.position == 6
 
 
+def test_a_filter_longer_than_a_url_allows_is_answered_by_the_workers(cluster):
+    """The client posts its query: a 50 KB IN list (over the 8 KB request line aiohttp reads)
+    is answered by the workers, not by a silent fallback to reading `.sow`."""
+    import urllib.error
+    import urllib.request
+
+    from processor.kafka.registry import live_workers
+
+    topic, client = cluster
+    _load(client, topic)
+    ids = [3, 4] + list(range(1_000, 9_000))
+    text = f"/id IN ({', '.join(map(str, ids))})"
+    assert len(text) > 40_000
+    rows = client.query(topic, filter=text)
+    assert client.last_query_source == "workers"
+    assert sorted(r.record["id"] for r in rows) == [3, 4]
+    (w, *_) = live_workers(client.bootstrap, client.group)
+    for body in (b"[1]", b"{not json", b'{"top": 3}'):
+        request = urllib.request.Request(f"{w['url']}/sow/{topic}", data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400 and b"error" in refused.value.read()
+
+
 def test_indexed_queries_read_only_candidates(cluster):
     import urllib.request
 

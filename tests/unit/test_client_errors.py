@@ -48,3 +48,18 @@ def test_values_json_cannot_carry_are_refused_before_anything_is_sent():
     with pytest.raises(ClientError, match=r"integer 123456789012345678901234567890 is outside the 64-bit range"):
         client.publish("orders", '{"order_id": 123456789012345678901234567890}')
     assert client._producer is None  # nothing was produced
+
+
+def test_a_sow_key_on_a_topic_with_key_fields_is_refused_not_ignored():
+    """The worker makes the SowKey from /order_id whatever the header says: publishing would
+    quietly file the record under another key than the one the caller chose."""
+    import pytest
+
+    from processor.client.sow_client import ClientError
+
+    client = Client("127.0.0.1:1")
+    with pytest.raises(ClientError, match=r"orders makes each SowKey from the record's key fields \(/order_id\)"):
+        client.publish("orders", {"order_id": 3}, sow_key="abc")
+    with pytest.raises(ClientError, match="blank filter would delete every record"):
+        client.delete("orders", filter="  ")
+    assert client._producer is None  # nothing was produced

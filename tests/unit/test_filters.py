@@ -8,6 +8,7 @@ import operator
 import pickle
 import random
 import re
+import time
 from pathlib import Path
 
 import orjson
@@ -322,7 +323,6 @@ def test_format_examples(text: str, canonical: str) -> None:
         ("/a IN (1, 2", 11, "')'"),
         ("/a = 1 AND", 10, "NOT"),
         ("/a = #", 5, "a string"),
-        ("", 0, "a field path like /name"),
         ("/a", 2, "a comparison operator (= <> < <= > >=)"),
         ("/a BETWEEN 1 OR 2", 13, "AND"),
         ("/a = 1 ANDROID /b = 2", 7, "AND"),
@@ -346,6 +346,34 @@ def test_errors(text: str, position: int, expected: str) -> None:
     assert lines[-2] == "  " + text
     assert lines[-1] == "  " + " " * position + "^"
     assert expected in lines[0]
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\t\n"])
+def test_a_blank_filter_matches_everything_as_no_filter_does(text: str) -> None:
+    assert compile_filter(text).matches({}) and compile_filter(text).matches({"a": None})
+
+
+def test_a_multi_line_filter_error_shows_the_line_and_column_with_the_caret_under_the_problem() -> None:
+    text = "/status = 'a' AND\n\t/qty >> 1"
+    with pytest.raises(FilterError) as info:
+        compile_filter(text)
+    first, shown, caret = str(info.value).splitlines()
+    assert "position 25 (line 2, column 8)" in first
+    assert shown == "   /qty >> 1"  # the tab shows as one space
+    assert shown[caret.index("^")] == ">"
+
+
+def test_a_filter_over_the_size_bound_is_refused_before_parsing() -> None:
+    """A parse costs ~60 us a term: the bound keeps one filter from a header or a caller from
+    stalling a worker for seconds."""
+    fits = "/a = 1 AND " * ((filters.MAX_FILTER_CHARS - 7) // 11) + "/a = 2"
+    assert len(fits) <= filters.MAX_FILTER_CHARS and not compile_filter(fits).matches({"a": 1})
+    text = "/a = 1 AND " * 80_000 + "/a = 2"
+    began = time.perf_counter()
+    with pytest.raises(FilterError, match="at most 65,536 characters") as info:
+        compile_filter(text)
+    assert time.perf_counter() - began < 0.05
+    assert info.value.found == f"{len(text):,} characters" and len(str(info.value)) < 400
 
 
 def test_error_pickles() -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from processor.contract.errors import KsowError
 from processor.contract.types import SowRecord
 from processor.core.filters import compile_filter
 from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, choose_index, order_and_cut, run_query
@@ -129,6 +130,20 @@ def test_limits_default_from_the_environment(monkeypatch):
 def test_negative_top_is_refused():
     with pytest.raises(ValueError, match="top must not be negative"):
         SowQuery.from_params({"top": "-1"})
+    with pytest.raises(KsowError, match="top must not be negative"):
+        SowQuery(top=-1)
+
+
+@pytest.mark.parametrize("order_by", ["/qty SIDEWAYS", "/qty DESC NOW", "qty", "/a//b"])
+def test_an_order_by_that_is_not_a_path_and_a_direction_is_refused(order_by):
+    with pytest.raises(KsowError, match="order_by"):
+        SowQuery(order_by=order_by)
+
+
+@pytest.mark.parametrize(("order_by", "ids"), [("/v asc", [1, 2, 3]), ("/v", [1, 2, 3]), ("/v desc", [3, 2, 1]), ("  /v   DESC ", [3, 2, 1])])
+def test_order_by_directions_in_any_case(order_by, ids):
+    rows = [{"id": i, "v": i * 10} for i in (2, 3, 1)]
+    assert [r["id"] for r in order_and_cut(rows, SowQuery(order_by=order_by), lambda r: r)] == ids
 
 
 @pytest.mark.parametrize("query", [SowQuery(), SowQuery("/n > 0"), SowQuery("/g = 1"), SowQuery(keys=("a", "b", "c", "d")), SowQuery(top=2, order_by="/n")])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import orjson
+from faust.web import View
 
 from processor.contract.errors import ConfigError, KsowError
 from processor.core.filters import FilterError
@@ -117,9 +118,9 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
             return None
         return _json(view, {"error": "missing or wrong bearer token (KSOW_WEB_TOKEN)"}, 401, {"WWW-Authenticate": "Bearer"})
 
-    @app.page("/sow/{topic}")
-    async def sow_query(view, request, topic):
-        """Query the SOW partitions this worker serves: ?filter=&keys=&select=&top=&order_by="""
+    async def sow_query(view, request, topic: str, params: dict):
+        """Query the SOW partitions this worker serves, with the parameters filter, keys, select,
+        top and order_by."""
         if (answer := refused(view, request)) is not None:
             return answer
         engine = worker.engine(topic)
@@ -132,7 +133,7 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
             return served, rows, plan
 
         try:
-            query = SowQuery.from_params(dict(request.query))
+            query = SowQuery.from_params(params)
             served, rows, plan = await asyncio.get_running_loop().run_in_executor(None, run)
         except QueryLimitError as exc:
             return _json(view, {"error": str(exc)}, exc.status)
@@ -140,6 +141,23 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
             return _json(view, {"error": str(exc)}, 400)
         body = {"worker": settings.url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
         return _json(view, body)
+
+    @app.page("/sow/{topic}")
+    class SowQueryView(View):
+        """GET /sow/{topic}?filter=&keys=&select=&top=&order_by=, or POST the same names as one JSON
+        object: the client posts, so a long filter or key list never meets the URL's length limit."""
+
+        async def get(self, request, topic):
+            return await sow_query(self, request, topic, dict(request.query))
+
+        async def post(self, request, topic):
+            try:
+                params = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                return _json(self, {"error": f"the body is not JSON: {exc}"}, 400)
+            if not isinstance(params, dict) or not all(isinstance(v, str) for v in params.values()):
+                return _json(self, {"error": "the body must be a JSON object of strings (filter, keys, select, top, order_by)"}, 400)
+            return await sow_query(self, request, topic, params)
 
     @app.page("/metrics")
     async def prometheus(view, request):
