@@ -9,7 +9,7 @@ import os
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -190,6 +190,36 @@ class SowTopic(BaseModel):
     def dead_topic(self) -> str:
         return self.dead_event_topic or f"{self.topic}.dead"
 
+    def kafka_topics(self, views: Iterable["View"] = ()) -> list["KafkaTopic"]:
+        """Every Kafka topic this SOW topic reads or writes (its views' own topics not included):
+        what creates them and what checks that no two share a name both read this one list."""
+        conflated = any(view.conflation for view in views)
+        named = (
+            (self.topic, "input", "topic"),
+            (self.delta_topic, "delta input", "topic"),
+            (self.repartition_topic, "repartition topic", "topic"),
+            (self.sow_topic, "changelog", "topic"),
+            (self.diff_topic, "diff topic", "topic"),
+            (self.errors_topic, "errors topic", "topic"),
+            (self.dead_topic, "dead event topic", "dead_event_topic" if self.dead_event_topic else "topic"),
+            (self.expired_topic, "expiry topic", "expiry_topic" if self.expiry_topic else "topic"),
+            (self.holds_topic if conflated else None, "holds topic", "topic"),
+        )
+        return [KafkaTopic(name, role, field) for name, role, field in named if name is not None]
+
+
+class KafkaTopic(NamedTuple):
+    """One Kafka topic of a topology: its name, its role and the topology field that names it."""
+
+    name: str
+    role: str  # input, delta input, repartition topic, changelog, diff topic, errors topic, ...
+    field: str
+
+    @property
+    def compacted(self) -> bool:
+        """Changelogs keep the latest record per key; so do the held conflated view events."""
+        return self.role in ("changelog", "holds topic")
+
 
 class View(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -232,6 +262,10 @@ class View(BaseModel):
         _duration_or_none(value)
         return value
 
+    def kafka_topics(self) -> list[KafkaTopic]:
+        """The view's own topics: its records and its changes."""
+        return [KafkaTopic(f"{self.name}.sow", "changelog", "name"), KafkaTopic(f"{self.name}.diff", "diff topic", "name")]
+
 
 class Topology(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -270,35 +304,19 @@ class Topology(BaseModel):
         SOW topic's expired and dead records in one topic (as with `expiry_topic: none`)."""
         roles: dict[str, tuple[str, str]] = {}  # topic -> (owner, what it is to the owner)
 
-        def claim(name: str | None, where: str, field: str, what: str, owner: str) -> None:
-            if name is None:
-                return
-            if name in roles:
-                other_owner, other_what = roles[name]
-                if other_owner == owner and {what, other_what} == {"expiry topic", "dead event topic"}:
-                    return
-                raise ValueError(f"{where}.{field}: {what} {name!r} is also the {other_what} of {other_owner}")
-            roles[name] = (owner, what)
+        def claim(topics: list[KafkaTopic], where: str, owner: str) -> None:
+            for name, what, field in topics:
+                if name in roles:
+                    other_owner, other_what = roles[name]
+                    if other_owner == owner and {what, other_what} == {"expiry topic", "dead event topic"}:
+                        continue
+                    raise ValueError(f"{where}.{field}: {what} {name!r} is also the {other_what} of {other_owner}")
+                roles[name] = (owner, what)
 
         for t in self.sow:
-            where, owner = f"sow[{t.topic}]", f"SOW topic {t.topic!r}"
-            conflated = any(view.conflation for view in self.views_of(t.topic))  # as topic_configs
-            for name, field, what in (
-                (t.topic, "topic", "input"),
-                (t.delta_topic, "topic", "delta input"),
-                (t.repartition_topic, "topic", "repartition topic"),
-                (t.sow_topic, "topic", "changelog"),
-                (t.diff_topic, "topic", "diff topic"),
-                (t.errors_topic, "topic", "errors topic"),
-                (t.dead_topic, "dead_event_topic" if t.dead_event_topic else "topic", "dead event topic"),
-                (t.expired_topic, "expiry_topic" if t.expiry_topic else "topic", "expiry topic"),
-                (t.holds_topic if conflated else None, "topic", "holds topic"),
-            ):
-                claim(name, where, field, what, owner)
+            claim(t.kafka_topics(self.views_of(t.topic)), f"sow[{t.topic}]", f"SOW topic {t.topic!r}")
         for v in self.views:
-            where, owner = f"views[{v.name}]", f"view {v.name!r}"
-            claim(f"{v.name}.sow", where, "name", "changelog", owner)
-            claim(f"{v.name}.diff", where, "name", "diff topic", owner)
+            claim(v.kafka_topics(), f"views[{v.name}]", f"view {v.name!r}")
 
     def warnings(self) -> list[str]:
         return [w for spec in self.sow for w in spec.warnings()]

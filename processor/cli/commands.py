@@ -379,7 +379,7 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 @GROUP
 @WEB_TOKEN
 @click.argument("topic")
-@click.option("--filter", "filter_", default=None)
+@click.option("--filter", "filter_", default=None, help="Content filter, e.g. \"/status = 'open' AND /qty > 10\".")
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")
 @click.option("--select", default=None, help="Comma-separated field paths to return.")
 @click.option("--top", type=int, default=None, help="At most this many records.")
@@ -395,19 +395,23 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @main.command()
 @connection
 @click.argument("topic")
-@click.option("--filter", "filter_", default=None)
+@click.option("--filter", "filter_", default=None, help="Content filter, e.g. \"/status = 'open' AND /qty > 10\".")
 @click.option("--sow", is_flag=True, help="Start with the current SOW (sow_and_subscribe).")
 @click.option("--delta", is_flag=True, help="Deltas instead of full records.")
 @click.option("--oof", is_flag=True, help="Tell when a record leaves the subscription.")
 @click.option("--no-empties", is_flag=True, help="With --delta: skip updates that change nothing selected.")
-@click.option("--no-sowkey", is_flag=True)
+@click.option("--no-sowkey", is_flag=True, help="Leave the sow_key out of each event.")
 @click.option("--select", default=None, help="Comma-separated field paths.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
-@click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Stop after this many idle seconds.")
 @click.option("--after-seq", type=int, default=None, help="Resume after this event ID (sow-seq) instead of starting with the SOW.")
 @GROUP
 def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
+    if no_empties and not delta:
+        _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
+    if after_seq is not None and sow:
+        _fail("--after-seq resumes after an event ID instead of starting with the SOW: drop --sow")
     client = _client(bootstrap, topology)
     with _client_errors():
         events = client.subscribe(

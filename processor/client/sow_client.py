@@ -131,6 +131,8 @@ class Client:
             _check_finite(data)
         if not isinstance(data, dict):
             raise ClientError(f"a record must be a JSON object, got {type(data).__name__}")
+        if unknown := codec.unknown_fields(data):
+            raise ClientError(f"{', '.join(unknown)} not in the Avro schema of {spec.topic} (it would be dropped)")
         try:
             return codec.encode(data), data
         except (InputError, ValueError, TypeError) as exc:

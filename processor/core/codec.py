@@ -20,6 +20,10 @@ class Codec(Protocol):
 
     def encode(self, record: dict) -> bytes: ...
 
+    def unknown_fields(self, record: dict) -> list[str]:
+        """Paths of fields the type cannot carry (encode would drop them)."""
+        ...
+
     def delta_fields(self, record: dict) -> dict:
         """The fields a delta publish actually sends."""
         ...
@@ -70,6 +74,9 @@ class JsonCodec:
     def encode(self, record: dict) -> bytes:
         return orjson.dumps(record)
 
+    def unknown_fields(self, record: dict) -> list[str]:
+        return []
+
     def delta_fields(self, record: dict) -> dict:
         return record
 
@@ -94,7 +101,8 @@ class AvroCodec:
         try:
             record = self._fastavro.schemaless_reader(io.BytesIO(data), self.schema, None)
         except Exception as exc:  # fastavro raises many types for malformed bytes
-            raise InputError(f"value is not valid Avro for the topic schema: {exc}") from None
+            why = str(exc) or ("it ends too soon" if isinstance(exc, EOFError) else type(exc).__name__)
+            raise InputError(f"value is not valid Avro for the topic schema: {why}") from None
         if not isinstance(record, dict):
             raise InputError("Avro value must be a record")
         return record
@@ -104,9 +112,26 @@ class AvroCodec:
         self._fastavro.schemaless_writer(out, self.schema, record)
         return out.getvalue()
 
+    def unknown_fields(self, record: dict) -> list[str]:
+        """Paths of the fields of `record` that the schema lacks: the writer would drop them."""
+        return _unknown_fields(self.schema, record, "")
+
     def delta_fields(self, record: dict) -> dict:
         """An Avro record always carries every field: in a delta, null means "not sent"."""
         return {k: self.delta_fields(v) if isinstance(v, dict) else v for k, v in record.items() if v is not None}
+
+
+def _unknown_fields(schema, value, at: str) -> list[str]:
+    if isinstance(schema, list):  # a union: look into its record branch when there is just one
+        records = [branch for branch in schema if isinstance(branch, dict) and branch.get("type") == "record"]
+        return _unknown_fields(records[0], value, at) if len(records) == 1 else []
+    if not (isinstance(schema, dict) and schema.get("type") == "record" and isinstance(value, dict)):
+        return []
+    fields = {f["name"]: f["type"] for f in schema["fields"]}
+    out = []
+    for name, inner in value.items():
+        out += _unknown_fields(fields[name], inner, f"{at}/{name}") if name in fields else [f"{at}/{name}"]
+    return out
 
 
 def codec_for(message_type: str, schema: str | None = None, base: Path | None = None) -> Codec:

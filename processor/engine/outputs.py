@@ -74,19 +74,22 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
         headers = [(_KEY, key), _INSERT if t.before is None else _UPDATE, (_SEQ, b"%d" % t.seq)]
         if after.expires_at is not None:
             headers.append((_EXPIRES_AT, b"%d" % after.expires_at))
-        if codec.name == "json":
-            # Kept with the record (the store writes it and caches it): an exact-size copy, as
-            # orjson's result holds a buffer of some kilobytes (measured: 4 KB a record of ~100
-            # bytes, a page fault each and most of the worker's memory when thousands are kept).
-            value = after.json = bytes(memoryview(orjson.dumps(after.data)))
-        else:
-            value = codec.encode(after.data)
-        if not stored:
-            if max_bytes and len(value) > max_bytes:
-                _too_large(t, streams.diff, len(value), max_bytes)
-            send(streams.diff, p, key, value, headers)
-            return
-        changes = orjson.dumps(t.changes)
+        try:
+            if codec.name == "json":
+                # Kept with the record (the store writes it and caches it): an exact-size copy, as
+                # orjson's result holds a buffer of some kilobytes (measured: 4 KB a record of ~100
+                # bytes, a page fault each and most of the worker's memory when thousands are kept).
+                value = after.json = bytes(memoryview(orjson.dumps(after.data)))
+            else:
+                value = codec.encode(after.data)
+            if not stored:
+                if max_bytes and len(value) > max_bytes:
+                    _too_large(t, streams.diff, len(value), max_bytes)
+                send(streams.diff, p, key, value, headers)
+                return
+            changes = orjson.dumps(t.changes)
+        except orjson.JSONEncodeError as exc:  # orjson reads 1024 levels of nesting but writes 254
+            raise InputError(f"the record cannot be written as JSON ({exc}): objects and arrays nest at most 254 levels deep") from None
         if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
             big, topic = max((len(value), streams.sow), (len(changes), streams.diff))
             _too_large(t, topic, big, max_bytes)

@@ -85,23 +85,11 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     # a lifetime counts from the input's arrival whatever the publisher's clock says, and replays see
     # the same instants. The repartition topic keeps CreateTime: a rerouted input carries its timestamp.
     arrival = {"message.timestamp.type": "LogAppendTime" if spec.timestamps == "arrival" else "CreateTime"}
-    topics = {
-        spec.topic: (n, arrival),
-        spec.delta_topic: (n, arrival),
-        spec.repartition_topic: (n, {}),
-        spec.sow_topic: (n, compacted),
-        spec.diff_topic: (n, {}),
-        spec.errors_topic: (n, {}),
-        spec.dead_topic: (n, {}),
+    inputs = ("input", "delta input")
+    return {
+        t.name: (n, arrival if t.role in inputs else compacted if t.compacted else {})
+        for t in [*spec.kafka_topics(views), *(t for view in views for t in view.kafka_topics())]
     }
-    if spec.expired_topic:
-        topics[spec.expired_topic] = (n, {})
-    if any(view.conflation for view in views):
-        topics[spec.holds_topic] = (n, compacted)
-    for view in views:
-        topics[f"{view.name}.sow"] = (n, compacted)
-        topics[f"{view.name}.diff"] = (n, {})
-    return topics
 
 
 REPLICATION_FACTOR_ENV = "KSOW_REPLICATION_FACTOR"

@@ -31,6 +31,32 @@ def test_codec_round_trip_and_errors():
         codec.decode(b"\xff\xff\xff")
 
 
+def test_an_empty_value_says_why_it_is_not_avro():
+    with pytest.raises(InputError, match="not valid Avro for the topic schema: it ends too soon"):
+        AvroCodec(SCHEMA).decode(b"")
+
+
+def test_fields_the_schema_lacks_are_named_nested_ones_too(tmp_path):
+    nested = tmp_path / "nested.avsc"
+    nested.write_text(orjson.dumps({"type": "record", "name": "T", "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "leg", "type": ["null", {"type": "record", "name": "Leg", "fields": [{"name": "px", "type": "double"}]}]},
+    ]}).decode())
+    assert AvroCodec(SCHEMA).unknown_fields({"order_id": 1, "status": "x", "bogus": 1}) == ["/bogus"]
+    assert AvroCodec(nested).unknown_fields({"id": 1, "leg": {"px": 1.0, "qty": 2}, "x": None}) == ["/leg/qty", "/x"]
+    assert AvroCodec(nested).unknown_fields({"id": 1, "leg": None}) == []
+
+
+def test_the_client_refuses_a_field_the_avro_schema_would_drop():
+    from processor.client.sow_client import Client, ClientError
+
+    topology = parse_topology({"sow": [{"topic": "av", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA)}]})
+    client = Client("127.0.0.1:1", topology)
+    with pytest.raises(ClientError, match=r"/bogus not in the Avro schema of av"):
+        client.publish("av", {"order_id": 2, "status": "open", "bogus": 1})
+    assert client._producer is None
+
+
 def test_avro_topic_merges_deltas(tmp_path):
     spec = parse_topology({"sow": [{"topic": "ao", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA), "partitions": 2}]}).topic("ao")
     proc = LocalTopic(spec, tmp_path)

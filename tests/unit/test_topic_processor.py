@@ -107,6 +107,21 @@ def test_bad_inputs_go_to_errors_with_original_bytes(proc):
     assert all(proc.stores.get(p) is None or proc.stores[p].count() == 0 for p in range(N))
 
 
+def test_a_record_nested_deeper_than_json_output_carries_goes_to_errors_with_the_reason(proc):
+    """orjson reads 1024 levels but writes 254: such a record used to fail at render with an
+    'internal error' and a traceback in the log."""
+    raw = b'{"id": 1, "a": ' + b"[" * 299 + b"1" + b"]" * 299 + b"}"
+    shallow = {"id": 1, "a": 2}
+    first = run(proc, [msg(proc, shallow)])
+    assert [r.topic for r in first] == ["orders.sow", "orders.diff"]
+    out = run(proc, [InputMessage("orders", first[0].partition, 1, b"k", raw, [], 1_000)])
+    assert [r.topic for r in out] == ["orders.errors"]
+    assert b"objects and arrays nest at most 254 levels deep" in hdr(out[0], "sow-error")
+    assert b"internal error" not in hdr(out[0], "sow-error")
+    (stored,) = [rec for store in proc.stores.values() for _, rec in store.records()]
+    assert stored.data == shallow  # the SOW keeps the record as it was
+
+
 def two_workers(tmp_path):
     """Two runners of one topic: `a` owns partitions 0 and 1, `b` owns 2 and 3."""
     a, b = make(tmp_path / "a"), make(tmp_path / "b")
