@@ -328,7 +328,12 @@ class Topology(BaseModel):
         for spec in self.sow:
             if spec.topic == name:
                 return spec
+        if (view := self.view(name)) is not None:
+            raise TopologyError(f"{name!r} is a view of the SOW topic {view.topic!r}: query or subscribe to it, publish to {view.topic!r}")
         raise TopologyError(f"topic {name!r} is not a SOW topic of this topology (known: {', '.join(t.topic for t in self.sow)})")
+
+    def view(self, name: str) -> "View | None":
+        return next((view for view in self.views if view.name == name), None)
 
 
 def _describe(exc: ValidationError, raw: dict) -> str:

@@ -83,6 +83,17 @@ class Client:
         except ValueError as exc:
             raise ClientError(str(exc)) from None
 
+    def _through_view(self, name: str, filter: str | None, select: list[str] | None) -> tuple[str, str | None, list[str] | None]:
+        """A view's name reads its SOW topic through the view's filter and select list, as the
+        view's own topics show it (not conflated): (SOW topic, filter, select list)."""
+        view = self.topology.view(name)
+        if view is None:
+            return name, filter, select
+        if select and view.select and (outside := [path for path in select if path not in view.select]):
+            raise ClientError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
+        both = view.filter if not filter or not filter.strip() else f"({view.filter}) AND ({filter})"
+        return view.topic, both, select or view.select or None
+
     def codec(self, spec: SowTopic) -> Codec:
         if spec.topic not in self._codecs:
             self._codecs[spec.topic] = codec_for(spec.message_type.value, spec.schema_, self._base)
@@ -293,12 +304,14 @@ class Client:
         top: int | None = None,
         order_by: str | None = None,
     ) -> list[SowEntry]:
-        """The current records of a SOW topic that match the filter and keys.
+        """The current records of a SOW topic (or of a view: its topic through its filter and select
+        list) that match the filter and keys.
 
         Answered by the running workers over HTTP (each for its partitions; hash indexes used where
         the filter allows); when no set of live workers covers every partition, the client reads
         `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
         """
+        topic, filter, select = self._through_view(topic, filter, select)
         spec = self.spec(topic)
         query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
         if filter:
@@ -411,10 +424,13 @@ class Client:
         version of every record changed after it (full records, oldest change first) and the
         records removed after it (op of the removal, record null), then the live stream.
         """
+        view = topic
+        topic = self._through_view(view, None, None)[0]
         spec = self.spec(topic)
         feeds = []
         for options in subscriptions:
             options = dict(options)
+            _, options["filter"], options["select"] = self._through_view(view, options.get("filter"), options.get("select"))
             conflation = options.pop("conflation", None)
             sub = self._subscription_spec(spec, options.pop("filter", None), **options)
             feeds.append(_Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0))

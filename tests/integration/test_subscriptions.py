@@ -158,3 +158,29 @@ def test_no_gap_no_duplicate_while_publishing(env):
     assert len(seen) == keys
     for k, values in seen.items():
         assert values == list(range(values[0], rounds)), (k, values)
+
+
+def test_a_view_is_queried_and_subscribed_to_by_its_name(env):
+    """A view's name reads its SOW topic through the view's filter and select list, by the
+    workers, by the client's own read of `.sow`, and in a subscription."""
+    topic, client = env
+    client = Client(client.bootstrap, client.topology, f"g-{topic}")  # the workers' group: they answer
+    for i, status in enumerate(["open", "done", "open"]):
+        client.publish(topic, {"id": i, "status": status, "qty": i * 10, "note": "n"})
+    client.flush()
+    wait_until(lambda: len(client.query(topic)) == 3 and client.last_query_source == "workers")
+    assert sorted(r.record["id"] for r in client.query(f"{topic}_open")) == [0, 2]
+    assert client.last_query_source == "workers"
+    assert [r.record for r in client.query(f"{topic}_open", filter="/qty > 5")] == [{"id": 2, "status": "open", "qty": 20, "note": "n"}]
+    assert sorted((r.record["id"], r.record.get("qty"), "note" in r.record) for r in client.query(f"{topic}_qty")) == [(0, 0, False), (1, 10, False), (2, 20, False)]
+    changelog = Client(client.bootstrap, client.topology, "nobody")  # no workers: reads `.sow` itself
+    assert sorted(r.record["id"] for r in changelog.query(f"{topic}_open")) == [0, 2]
+    assert changelog.last_query_source == "changelog"
+    sub = client.subscribe(f"{topic}_open", sow=True)
+    assert sorted(next(sub)["record"]["id"] for _ in range(2)) == [0, 2]
+    client.publish(topic, {"id": 1, "status": "open", "qty": 11})
+    client.publish(topic, {"id": 5, "status": "done", "qty": 50})
+    client.publish(topic, {"id": 6, "status": "open", "qty": 60})
+    client.flush()
+    assert [next(sub)["record"]["id"] for _ in range(2)] == [1, 6]
+    sub.close()

@@ -63,3 +63,21 @@ def test_a_sow_key_on_a_topic_with_key_fields_is_refused_not_ignored():
     with pytest.raises(ClientError, match="blank filter would delete every record"):
         client.delete("orders", filter="  ")
     assert client._producer is None  # nothing was produced
+
+
+def test_a_view_name_reads_its_topic_through_the_view_filter_and_select_list():
+    import pytest
+
+    from processor.client.sow_client import ClientError
+    from processor.topology import parse_topology
+
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/order_id"]}], "views": [
+        {"name": "big", "topic": "orders", "filter": "/qty > 10", "select": ["/qty", "/status"]}]})
+    client = Client("127.0.0.1:1", topology)
+    assert client._through_view("big", None, None) == ("orders", "/qty > 10", ["/qty", "/status"])
+    assert client._through_view("big", "/status = 'open'", ["/qty"]) == ("orders", "(/qty > 10) AND (/status = 'open')", ["/qty"])
+    assert client._through_view("orders", "/a = 1", None) == ("orders", "/a = 1", None)
+    with pytest.raises(ClientError, match=r"/px not in the select list of view big"):
+        client._through_view("big", None, ["/qty", "/px"])
+    with pytest.raises(ValueError, match="'big' is a view of the SOW topic 'orders': query or subscribe to it, publish to 'orders'"):
+        client.publish("big", {"order_id": 1})
