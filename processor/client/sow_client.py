@@ -112,7 +112,14 @@ class Client:
         otherwise a publish or a read waits 30 s and then reports an unknown partition."""
         if name in self._existing:
             return
-        found = handle.list_topics(name, timeout=10).topics.get(name)
+        try:
+            found = handle.list_topics(name, timeout=10).topics.get(name)
+        except KafkaException as exc:
+            if handle is self._producer:
+                handle.poll(0)  # serve its error callbacks: they say why (a refused login, a TLS listener, ...)
+                if self._producer_error is not None:
+                    raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {self._producer_error.str()}")) from None
+            raise
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
                               "when they start (ksow up --topology ...)")

@@ -121,16 +121,15 @@ def test_clients_without_credentials_are_refused(secured, topic, tmp_path):
     name, path = topic
     began = time.monotonic()
     done = ksow("publish", "--bootstrap", secured.bootstrap, "--topology", str(path), name, '{"id": 1}')
-    assert done.returncode == 1 and "Error: Kafka: messages not delivered" in done.stderr
+    assert done.returncode == 1 and f"Error: Kafka: cannot read the metadata of {name}: " in done.stderr
     assert time.monotonic() - began < 90
 
     wrong = tmp_path / "wrong.properties"
     wrong.write_text(secured.client_config_path.read_text().replace(secured.client_config["sasl.password"], "not-the-password"))
     use_kafka_config(load_kafka_config(wrong, {}))
     client = Client(secured.bootstrap, str(path))
-    client.publish(name, {"id": 2})
     with pytest.raises(KafkaException, match="Authentication failed"):
-        client.flush(timeout=10)
+        client.publish(name, {"id": 2})  # its first look at the topic's metadata is refused
     with pytest.raises(KafkaException):
         make_admin(secured.bootstrap).list_topics(timeout=5)
 
