@@ -61,6 +61,21 @@ def test_an_input_resumed_after_its_end_is_behind_until_fetched_again(monkeypatc
     assert applied[5:] == [("orders.delta", 0), ("orders", 5), ("orders.delta", 1)]  # by timestamp: 100, 6000, 7000
 
 
+def test_an_input_served_again_by_the_consumer_is_applied_once(monkeypatch, tmp_path):
+    """Offsets already filed that a fetch serves again (librdkafka resumes a paused partition from
+    its application position) are not applied a second time: their outputs would repeat."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0, guarantee=Guarantee.AT_LEAST_ONCE)
+    applied = applied_inputs(loop)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    ends = [end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)]
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(3)] + [end_of("orders", 0, 3), *ends])
+    loop.cycle()
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(1, 5)] + [end_of("orders", 0, 5), *ends])
+    loop.cycle()
+    assert applied == [("orders", i) for i in range(5)]
+
+
 def test_the_wait_for_an_input_behind_starts_again_after_an_assignment(monkeypatch, tmp_path):
     """A merge waiting on an input when a rebalance came: the time the new assignment took (waiting
     for a previous owner's transaction) must not count, or the first merge after it is forced past

@@ -631,11 +631,15 @@ class SowLoop:
             if found is None:
                 continue  # a partition revoked meanwhile
             task, rank = found
+            offset = msg.offset()
+            if offset < task.fetched[rank]:
+                # Filed already: a fetch served again (librdkafka resumes a paused partition from
+                # the position its application last saw). Applied twice, it would repeat outputs.
+                continue
             ts = msg.timestamp()[1]
             top = task.tops[rank]
             if ts > top:
                 task.tops[rank] = top = ts
-            offset = msg.offset()
             task.fetched[rank] = offset + 1
             task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
             task.at_end[rank] = False
