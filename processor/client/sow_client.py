@@ -25,7 +25,7 @@ from processor.contract.errors import InputError
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
-from processor.core.codec import Codec, check_integers, codec_for
+from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_key
@@ -149,6 +149,10 @@ class Client:
             _check_finite(data)
         if not isinstance(data, dict):
             raise ClientError(f"a record must be a JSON object, got {type(data).__name__}")
+        try:
+            check_nesting(data)  # as the worker's decoding: it would park the record on `.errors`
+        except InputError as exc:
+            raise ClientError(str(exc)) from None
         if unknown := codec.unknown_fields(data):
             raise ClientError(f"{', '.join(unknown)} not in the Avro schema of {spec.topic} (it would be dropped)")
         try:

@@ -88,7 +88,7 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
                 send(streams.diff, p, key, value, headers)
                 return
             changes = orjson.dumps(t.changes)
-        except orjson.JSONEncodeError as exc:  # orjson reads 1024 levels of nesting but writes 254
+        except orjson.JSONEncodeError as exc:  # an Avro record (of a recursive schema) deeper than orjson writes
             raise InputError(f"the record cannot be written as JSON ({exc}): objects and arrays nest at most 254 levels deep") from None
         if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
             big, topic = max((len(value), streams.sow), (len(changes), streams.diff))

@@ -57,6 +57,24 @@ def test_the_client_refuses_a_field_the_avro_schema_would_drop():
     assert client._producer is None
 
 
+def test_an_avro_record_deeper_than_json_output_carries_goes_to_errors(tmp_path):
+    """A recursive schema can nest a record past the 254 levels orjson writes: its `.diff` (JSON)
+    cannot be written, so the input is refused with the reason, not parked as an internal error."""
+    schema = {"type": "record", "name": "Node", "fields": [{"name": "id", "type": "long"}, {"name": "next", "type": ["null", "Node"]}]}
+    path = tmp_path / "node.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    spec = parse_topology({"sow": [{"topic": "nodes", "key": ["/id"], "partitions": 1, "message_type": "avro", "schema": str(path)}]}).topic("nodes")
+    node = None
+    for i in range(300):
+        node = {"id": i, "next": node}
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(schema), node)
+    proc = LocalTopic(spec, tmp_path / "state")
+    sent = proc.handle([InputMessage("nodes", 0, 0, b"k", out.getvalue(), [], 1_000)], now=5_000)
+    assert [r.topic for r in sent] == ["nodes.errors"]
+    assert b"objects and arrays nest at most 254 levels deep" in dict(sent[0].headers)["sow-error"]
+
+
 def test_avro_topic_merges_deltas(tmp_path):
     spec = parse_topology({"sow": [{"topic": "ao", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA), "partitions": 2}]}).topic("ao")
     proc = LocalTopic(spec, tmp_path)

@@ -81,3 +81,19 @@ def test_a_view_name_reads_its_topic_through_the_view_filter_and_select_list():
         client._through_view("big", None, ["/qty", "/px"])
     with pytest.raises(ValueError, match="'big' is a view of the SOW topic 'orders': query or subscribe to it, publish to 'orders'"):
         client.publish("big", {"order_id": 1})
+
+
+def test_a_record_nested_past_the_bound_is_refused_by_the_client_as_by_the_worker():
+    import pytest
+
+    from processor.client.sow_client import ClientError
+
+    client = Client("127.0.0.1:1")
+    deep: object = 1
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ClientError, match="deeper than 200 levels"):
+        client.publish("orders", {"order_id": 1, "a": deep})
+    with pytest.raises(ClientError, match="deeper than 200 levels"):
+        client.publish("orders", '{"order_id": 1, "a": ' + "[" * 200 + "1" + "]" * 200 + "}")
+    assert client._producer is None

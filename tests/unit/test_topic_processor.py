@@ -107,19 +107,28 @@ def test_bad_inputs_go_to_errors_with_original_bytes(proc):
     assert all(proc.stores.get(p) is None or proc.stores[p].count() == 0 for p in range(N))
 
 
-def test_a_record_nested_deeper_than_json_output_carries_goes_to_errors_with_the_reason(proc):
-    """orjson reads 1024 levels but writes 254: such a record used to fail at render with an
-    'internal error' and a traceback in the log."""
-    raw = b'{"id": 1, "a": ' + b"[" * 299 + b"1" + b"]" * 299 + b"}"
+def _nested(levels: int) -> bytes:
+    """A record whose objects and arrays nest `levels` deep (the record itself is one level)."""
+    return b'{"id": 1, "a": ' + b"[" * (levels - 1) + b"1" + b"]" * (levels - 1) + b"}"
+
+
+def test_a_record_nested_past_the_bound_goes_to_errors_with_the_reason(proc):
+    """orjson reads 1024 levels but writes 254, and a record travels inside other JSON (a query's
+    answer, a held view event): one nested 254 levels was stored, then failed every query that
+    returned it. Records nest at most 200 levels; deeper ones are refused when they come in."""
     shallow = {"id": 1, "a": 2}
     first = run(proc, [msg(proc, shallow)])
     assert [r.topic for r in first] == ["orders.sow", "orders.diff"]
-    out = run(proc, [InputMessage("orders", first[0].partition, 1, b"k", raw, [], 1_000)])
+    p = first[0].partition
+    out = run(proc, [InputMessage("orders", p, 1, b"k", _nested(201), [], 1_000)])
     assert [r.topic for r in out] == ["orders.errors"]
-    assert b"objects and arrays nest at most 254 levels deep" in hdr(out[0], "sow-error")
-    assert b"internal error" not in hdr(out[0], "sow-error")
+    assert hdr(out[0], "sow-error") == b"value nests objects and arrays deeper than 200 levels"
     (stored,) = [rec for store in proc.stores.values() for _, rec in store.records()]
     assert stored.data == shallow  # the SOW keeps the record as it was
+    out = run(proc, [InputMessage("orders", p, 2, b"k", _nested(200), [], 1_000)])
+    assert [r.topic for r in out] == ["orders.sow", "orders.diff"]
+    (stored,) = [rec for store in proc.stores.values() for _, rec in store.records()]
+    orjson.dumps({"results": [{"record": stored.data}]})  # a worker's query answer can carry it
 
 
 def two_workers(tmp_path):
