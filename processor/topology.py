@@ -329,8 +329,10 @@ class Topology(BaseModel):
             if spec.topic == name:
                 return spec
         if (view := self.view(name)) is not None:
-            raise TopologyError(f"{name!r} is a view of the SOW topic {view.topic!r}: query or subscribe to it, publish to {view.topic!r}")
-        raise TopologyError(f"topic {name!r} is not a SOW topic of this topology (known: {', '.join(t.topic for t in self.sow)})")
+            raise TopologyError(f"{name!r} is a view of the SOW topic {view.topic!r}: query or subscribe to the view, "
+                                f"publish to or delete from {view.topic!r}")
+        views = f"; views: {', '.join(v.name for v in self.views)}" if self.views else ""
+        raise TopologyError(f"topic {name!r} is not a SOW topic of this topology (known: {', '.join(t.topic for t in self.sow)}{views})")
 
     def view(self, name: str) -> "View | None":
         return next((view for view in self.views if view.name == name), None)

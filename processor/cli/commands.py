@@ -50,7 +50,7 @@ def _client_errors():
         _fail(str(exc))
 
 
-GROUP = click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group of the workers to ask.")
+GROUP = click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group of the workers to ask (env KSOW_GROUP).")
 WEB_TOKEN = click.option("--web-token", envvar="KSOW_WEB_TOKEN", default=None, help="Bearer token the workers' HTTP endpoints require.")
 
 
@@ -383,7 +383,7 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")
 @click.option("--select", default=None, help="Comma-separated field paths to return.")
 @click.option("--top", type=int, default=None, help="At most this many records.")
-@click.option("--order-by", default=None, help="Field path to sort by, optionally followed by DESC.")
+@click.option("--order-by", default=None, help="Field path to sort by, optionally followed by ASC or DESC.")
 def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, top, order_by) -> None:
     """SOW query: the current records, as JSON lines (answered by the workers)."""
     client = _client(bootstrap, topology, group, web_token)
@@ -403,7 +403,7 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @click.option("--no-sowkey", is_flag=True, help="Leave the sow_key out of each event.")
 @click.option("--select", default=None, help="Comma-separated field paths.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
-@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Stop after this many idle seconds.")
+@click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
 @click.option("--after-seq", type=int, default=None, help="Resume after this event ID (sow-seq) instead of starting with the SOW.")
 @GROUP
 def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
@@ -412,6 +412,10 @@ def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_em
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
     if after_seq is not None and sow:
         _fail("--after-seq resumes after an event ID instead of starting with the SOW: drop --sow")
+    if after_seq is not None and after_seq < 0:
+        _fail(f"--after-seq is an event ID (sow-seq), never negative; got {after_seq}")
+    if timeout is not None and timeout < 0:
+        _fail(f"--timeout is seconds without events, never negative; got {timeout:g}")
     client = _client(bootstrap, topology)
     with _client_errors():
         events = client.subscribe(

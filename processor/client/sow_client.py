@@ -85,13 +85,24 @@ class Client:
 
     def _through_view(self, name: str, filter: str | None, select: list[str] | None) -> tuple[str, str | None, list[str] | None]:
         """A view's name reads its SOW topic through the view's filter and select list, as the
-        view's own topics show it (not conflated): (SOW topic, filter, select list)."""
+        view's own topics show it (not conflated): (SOW topic, filter, select list). The caller's
+        filter must parse on its own (errors point into it) before the two are joined."""
         view = self.topology.view(name)
         if view is None:
             return name, filter, select
-        if select and view.select and (outside := [path for path in select if path not in view.select]):
-            raise ClientError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
-        both = view.filter if not filter or not filter.strip() else f"({view.filter}) AND ({filter})"
+        spec = self.spec(view.topic)
+        if select and view.select:
+            allowed = {*view.select, *spec.key_spec.paths}  # a view's records always carry the key fields
+            if outside := [path for path in select if path not in allowed]:
+                raise ClientError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
+        if not filter or not filter.strip():
+            return view.topic, view.filter, select or view.select or None
+        from processor.core.filters import MAX_FILTER_CHARS, compile_filter, format_filter
+
+        both = f"({view.filter}) AND ({format_filter(compile_filter(filter))})"
+        if len(both) > MAX_FILTER_CHARS:
+            raise ClientError(f"the filter and the filter of view {name} make {len(both):,} characters together, "
+                              f"over the {MAX_FILTER_CHARS:,} a filter may have")
         return view.topic, both, select or view.select or None
 
     def codec(self, spec: SowTopic) -> Codec:
@@ -579,6 +590,7 @@ def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = 
         try:
             return orjson.loads(exc.read())
         except orjson.JSONDecodeError:
+            log.warning("worker %s answered HTTP %d without a JSON error: its partitions are read from the changelog", url, exc.code)
             return None
     except (urllib.error.URLError, OSError, orjson.JSONDecodeError):
         return None

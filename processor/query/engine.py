@@ -37,10 +37,20 @@ class SowQuery:
             raise QueryError(f"top must not be negative, got {self.top}")
         self.ordering  # noqa: B018 - parses order_by
 
+    PARAMS = ("filter", "keys", "select", "top", "order_by")
+
     @classmethod
     def from_params(cls, params: dict[str, str]) -> "SowQuery":
+        """The query a request's parameters ask for; a QueryError names a parameter it does not
+        know (a misspelt `filter` would otherwise return the whole SOW) or a `top` that is not a
+        whole number."""
+        if unknown := sorted(set(params) - set(cls.PARAMS)):
+            raise QueryError(f"unknown query parameter(s) {', '.join(unknown)} (known: {', '.join(cls.PARAMS)})")
         split = lambda name: tuple(x.strip() for x in params.get(name, "").split(",") if x.strip())  # noqa: E731
-        top = int(params["top"]) if params.get("top") else None
+        try:
+            top = int(params["top"]) if params.get("top") else None
+        except ValueError:
+            raise QueryError(f"top must be a whole number, got {params['top']!r}") from None
         return cls(params.get("filter") or None, split("keys"), split("select"), top, params.get("order_by") or None)
 
     def to_params(self) -> dict[str, str]:

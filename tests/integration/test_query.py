@@ -70,7 +70,7 @@ def test_a_filter_longer_than_a_url_allows_is_answered_by_the_workers(cluster):
     assert client.last_query_source == "workers"
     assert sorted(r.record["id"] for r in rows) == [3, 4]
     (w, *_) = live_workers(client.bootstrap, client.group)
-    for body in (b"[1]", b"{not json", b'{"top": 3}'):
+    for body in (b"[1]", b"{not json", b'{"top": 3}', b'{"fliter": "/id = 3"}'):
         request = urllib.request.Request(f"{w['url']}/sow/{topic}", data=body, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=10)

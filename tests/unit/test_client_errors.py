@@ -79,8 +79,29 @@ def test_a_view_name_reads_its_topic_through_the_view_filter_and_select_list():
     assert client._through_view("orders", "/a = 1", None) == ("orders", "/a = 1", None)
     with pytest.raises(ClientError, match=r"/px not in the select list of view big"):
         client._through_view("big", None, ["/qty", "/px"])
-    with pytest.raises(ValueError, match="'big' is a view of the SOW topic 'orders': query or subscribe to it, publish to 'orders'"):
+    assert client._through_view("big", None, ["/order_id", "/qty"])[2] == ["/order_id", "/qty"]  # key fields are in every view record
+    with pytest.raises(ValueError, match="'big' is a view of the SOW topic 'orders': query or subscribe to the view, publish to or delete from 'orders'"):
         client.publish("big", {"order_id": 1})
+
+
+def test_a_filter_given_with_a_view_must_parse_on_its_own():
+    """Joined as text, '1=1) OR (1=1' closed the view's parenthesis and returned every record of
+    the topic; errors pointed into the joined text."""
+    import pytest
+
+    from processor.core.filters import FilterError
+    from processor.topology import parse_topology
+
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/order_id"]}], "views": [
+        {"name": "open", "topic": "orders", "filter": "/status = 'open'"}]})
+    client = Client("127.0.0.1:1", topology)
+    with pytest.raises(FilterError) as escape:
+        client._through_view("open", "1=1) OR (1=1", None)
+    assert escape.value.position == 3
+    with pytest.raises(FilterError) as bad:
+        client._through_view("open", "/qty > 1\n  AND /px >> 3", None)
+    assert bad.value.position == 20 and "(line 2, column 12)" in str(bad.value)
+    assert client._through_view("open", "/a = 1 OR /b = 2", None)[1] == "(/status = 'open') AND (/a = 1 OR /b = 2)"
 
 
 def test_a_record_nested_past_the_bound_is_refused_by_the_client_as_by_the_worker():

@@ -134,6 +134,18 @@ def test_negative_top_is_refused():
         SowQuery(top=-1)
 
 
+@pytest.mark.parametrize(("params", "says"), [
+    ({"fliter": "/id = 1"}, "unknown query parameter(s) fliter (known: filter, keys, select, top, order_by)"),
+    ({"top": "abc"}, "top must be a whole number, got 'abc'"),
+    ({"top": "1.5"}, "top must be a whole number, got '1.5'"),
+])
+def test_request_parameters_a_query_does_not_know_are_refused(params, says):
+    """A misspelt `filter` used to be ignored: the answer was the whole SOW."""
+    with pytest.raises(KsowError) as err:
+        SowQuery.from_params(params)
+    assert str(err.value) == says
+
+
 @pytest.mark.parametrize("order_by", ["/qty SIDEWAYS", "/qty DESC NOW", "qty", "/a//b"])
 def test_an_order_by_that_is_not_a_path_and_a_direction_is_refused(order_by):
     with pytest.raises(KsowError, match="order_by"):
