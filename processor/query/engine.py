@@ -31,13 +31,13 @@ class SowQuery:
     top: int | None = None
     order_by: str | None = None  # "/path", "/path ASC" or "/path DESC"
 
+    PARAMS = ("filter", "keys", "select", "top", "order_by")  # the names of a request's parameters
+
     def __post_init__(self) -> None:
         """A bad top or order_by is the caller's error, before any worker is asked."""
         if self.top is not None and self.top < 0:
             raise QueryError(f"top must not be negative, got {self.top}")
         self.ordering  # noqa: B018 - parses order_by
-
-    PARAMS = ("filter", "keys", "select", "top", "order_by")
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> "SowQuery":

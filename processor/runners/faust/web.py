@@ -151,6 +151,8 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
             return await sow_query(self, request, topic, dict(request.query))
 
         async def post(self, request, topic):
+            if (answer := refused(self, request)) is not None:  # before the body is read
+                return answer
             try:
                 params = orjson.loads(await request.read())
             except orjson.JSONDecodeError as exc:
