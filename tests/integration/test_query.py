@@ -75,6 +75,10 @@ def test_a_filter_longer_than_a_url_allows_is_answered_by_the_workers(cluster):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=10)
         assert refused.value.code == 400 and b"error" in refused.value.read()
+    both = urllib.request.Request(f"{w['url']}/sow/{topic}?top=1", data=b'{"filter": "/id = 3"}')
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(both, timeout=10)
+    assert refused.value.code == 400 and b"not in both" in refused.value.read()
 
 
 def test_indexed_queries_read_only_candidates(cluster):

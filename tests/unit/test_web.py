@@ -90,3 +90,28 @@ def test_bad_entries_say_why(changes, problem):
 @pytest.mark.parametrize("entry", [None, [], "x", 3])
 def test_entries_that_are_not_objects(entry):
     assert entry_problem(b"k", entry) == "not a JSON object"
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_warning_line_not_a_traceback():
+    """A GET over aiohttp's 8 KB request line was logged at ERROR with a traceback (any caller
+    could fill a worker's log that way); a handler's own failure keeps its traceback."""
+    import logging
+    import sys
+
+    from aiohttp.http_exceptions import LineTooLong
+
+    from processor.runners.faust.web import MalformedRequests
+
+    def record(exc):
+        try:
+            raise exc
+        except Exception:
+            info = sys.exc_info()
+        return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s", ("127.0.0.1",), info)
+
+    bad = record(LineTooLong("GET /sow/x?filter=aaaa", "8190"))
+    assert MalformedRequests().filter(bad)
+    assert (bad.levelno, bad.exc_info) == (logging.WARNING, None)
+    assert bad.getMessage().startswith("refused a malformed HTTP request: Error handling request from 127.0.0.1: Got more than 8190 bytes")
+    failed = record(TypeError("a bug"))
+    assert MalformedRequests().filter(failed) and failed.levelno == logging.ERROR and failed.exc_info is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import ipaddress
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import orjson
+from aiohttp.http_exceptions import BadHttpMessage
 from faust.web import View
 
 from processor.contract.errors import ConfigError, KsowError
@@ -102,6 +104,19 @@ def authorized(token: str | None, authorization: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+class MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a URL over its 8 KB line, a bad header) at ERROR
+    with a traceback: a caller's mistake, which must not fill a worker's log. One line at WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.msg, record.args = f"refused a malformed HTTP request: {record.getMessage()}: {exc.message}", ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def _json(view, body: dict, status: int = 200, headers: dict | None = None):
     return view.bytes(orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
@@ -110,6 +125,9 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
     """Serve /sow/{topic} and /metrics, announce the worker in the registry, and configure Faust's
     web server (bind address, TLS) from the settings."""
     app.conf.web_bind = web_bind_address(settings)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+        server_log.addFilter(MalformedRequests())
     app.conf.web_ssl_context = settings.ssl_context()
 
     def refused(view, request):
@@ -159,6 +177,8 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
                 return _json(self, {"error": f"the body is not JSON: {exc}"}, 400)
             if not isinstance(params, dict) or not all(isinstance(v, str) for v in params.values()):
                 return _json(self, {"error": "the body must be a JSON object of strings (filter, keys, select, top, order_by)"}, 400)
+            if request.query:
+                return _json(self, {"error": "give the query's parameters in the body or in the URL, not in both"}, 400)
             return await sow_query(self, request, topic, params)
 
     @app.page("/metrics")
