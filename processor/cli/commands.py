@@ -236,7 +236,8 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
                 sys.exit(status)
             return
         worker = _worker(address, topology, group, data_dir, web, guarantee, static)
-        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}", err=True)
+        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}; "
+                   f"queries at {worker.web.url}/sow/<topic>, metrics at {worker.web.url}/metrics", err=True)
         try:
             worker.run(loglevel)
         except SystemExit as exc:  # Faust exits when stopped; a failure (the loop failed) keeps its status

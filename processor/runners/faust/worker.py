@@ -118,7 +118,6 @@ class SowWorker:
             web_port=self.web.port,
         )
         install_web(WorkerView(self), app, self.web)
-        log.info("SOW queries at %s/sow/<topic>, metrics at %s/metrics", self.web.url, self.web.url)
         return app
 
     def create_topics(self) -> None:
