@@ -182,5 +182,5 @@ def test_a_view_is_queried_and_subscribed_to_by_its_name(env):
     client.publish(topic, {"id": 5, "status": "done", "qty": 50})
     client.publish(topic, {"id": 6, "status": "open", "qty": 60})
     client.flush()
-    assert [next(sub)["record"]["id"] for _ in range(2)] == [1, 6]
+    assert sorted(next(sub)["record"]["id"] for _ in range(2)) == [1, 6]  # two partitions: no order between them
     sub.close()
