@@ -136,11 +136,9 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
             return None
         return _json(view, {"error": "missing or wrong bearer token (KSOW_WEB_TOKEN)"}, 401, {"WWW-Authenticate": "Bearer"})
 
-    async def sow_query(view, request, topic: str, params: dict):
+    async def sow_query(view, topic: str, params: dict):
         """Query the SOW partitions this worker serves, with the parameters filter, keys, select,
-        top and order_by."""
-        if (answer := refused(view, request)) is not None:
-            return answer
+        top and order_by (the caller checked the token)."""
         engine = worker.engine(topic)
         if engine is None:
             return _json(view, {"error": f"unknown SOW topic {topic}"}, 404)
@@ -166,7 +164,9 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
         object: the client posts, so a long filter or key list never meets the URL's length limit."""
 
         async def get(self, request, topic):
-            return await sow_query(self, request, topic, dict(request.query))
+            if (answer := refused(self, request)) is not None:
+                return answer
+            return await sow_query(self, topic, dict(request.query))
 
         async def post(self, request, topic):
             if (answer := refused(self, request)) is not None:  # before the body is read
@@ -179,7 +179,7 @@ def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
                 return _json(self, {"error": "the body must be a JSON object of strings (filter, keys, select, top, order_by)"}, 400)
             if request.query:
                 return _json(self, {"error": "give the query's parameters in the body or in the URL, not in both"}, 400)
-            return await sow_query(self, request, topic, params)
+            return await sow_query(self, topic, params)
 
     @app.page("/metrics")
     async def prometheus(view, request):
