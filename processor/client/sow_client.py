@@ -29,6 +29,7 @@ from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_key
+from processor.core.paths import split_path, within
 from processor.core.subscription import SubscriptionSpec, conflate
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import SowQuery, order_and_cut, result, selection
@@ -83,23 +84,30 @@ class Client:
         except ValueError as exc:
             raise ClientError(str(exc)) from None
 
-    def _through_view(self, name: str, filter: str | None, select: list[str] | None) -> tuple[str, str | None, list[str] | None]:
+    def _through_view(self, name: str, filter: str | None, select: list[str] | None,
+                      order_by: str | None = None) -> tuple[str, str | None, list[str] | None]:
         """A view's name reads its SOW topic through the view's filter and select list, as the
         view's own topics show it (not conflated): (SOW topic, filter, select list). The caller's
-        filter must parse on its own (errors point into it) before the two are joined."""
+        filter must parse on its own (errors point into it) and reads the view's records: a field
+        the view's select list leaves out is NULL to it, and ordering by one is refused."""
         view = self.topology.view(name)
         if view is None:
             return name, filter, select
         spec = self.spec(view.topic)
-        if select and view.select:
-            allowed = {*view.select, *spec.key_spec.paths}  # a view's records always carry the key fields
-            if outside := [path for path in select if path not in allowed]:
+        shown = [*view.select, *spec.key_spec.paths] if view.select else []  # a view's records always carry the key fields
+        if shown:
+            selected = [split_path(path) for path in shown]
+            outside = [path for path in select or () if not within(split_path(path), selected)]
+            if order_by and not within(SowQuery(order_by=order_by).ordering[0], selected):
+                outside.append(order_by.split()[0])
+            if outside:
                 raise ClientError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
         if not filter or not filter.strip():
             return view.topic, view.filter, select or view.select or None
         from processor.core.filters import MAX_FILTER_CHARS, compile_filter, format_filter
 
-        both = f"({view.filter}) AND ({format_filter(compile_filter(filter))})"
+        yours = compile_filter(filter)
+        both = f"({view.filter}) AND ({format_filter(yours.seen_through(shown) if shown else yours)})"
         if len(both) > MAX_FILTER_CHARS:
             raise ClientError(f"the filter and the filter of view {name} make {len(both):,} characters together, "
                               f"over the {MAX_FILTER_CHARS:,} a filter may have")
@@ -333,7 +341,7 @@ class Client:
         the filter allows); when no set of live workers covers every partition, the client reads
         `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
         """
-        topic, filter, select = self._through_view(topic, filter, select)
+        topic, filter, select = self._through_view(topic, filter, select, order_by)
         spec = self.spec(topic)
         query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
         if filter:

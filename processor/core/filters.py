@@ -39,14 +39,14 @@ from __future__ import annotations
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable
 
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
-from processor.core.paths import MISSING, get_path, split_path
+from processor.core.paths import MISSING, get_path, split_path, within
 from processor.core.regex import Regex, RegexError
 
 __all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "MATCH_ALL"]
@@ -807,6 +807,14 @@ class Filter:
         """Every field path the filter reads, e.g. {'/a', '/b/c'}."""
         return _fields(self._ast, set())
 
+    def seen_through(self, select: list[str]) -> Filter:
+        """The filter as it reads a record cut to a select list: a field the list leaves out (one
+        neither selected nor inside a selected one) reads NULL, as on the cut record itself, so a
+        view's caller filters what the view shows, not the fields its select list hides."""
+        selected = [split_path(path) for path in select]
+        ast = _map_paths(self._ast, lambda path: path if within(split_path(path.path), selected) else Lit(None))
+        return self if ast is self._ast else Filter(_format(ast), ast)
+
     def __repr__(self) -> str:
         return f"Filter({self.text!r})"
 
@@ -856,21 +864,27 @@ def _canonical(v: Any) -> Any:
     return v
 
 
-def _fields(node: Any, out: set[str]) -> set[str]:
+def _map_paths(node: Any, fn: Callable[[Path], Any]) -> Any:
+    """The tree with every field path replaced by fn(path); the same object when nothing changes."""
     if isinstance(node, Path):
-        out.add(node.path)
-    elif isinstance(node, (And, Or)):
-        for item in node.items:
-            _fields(item, out)
-    elif isinstance(node, Not):
-        _fields(node.expr, out)
-    elif isinstance(node, Func):
-        _fields(node.arg, out)
-    elif isinstance(node, Compare):
-        _fields(node.left, out)
-        _fields(node.right, out)
-    elif not isinstance(node, Lit):
-        _fields(node.operand, out)
+        return fn(node)
+    if isinstance(node, (And, Or)):
+        items = tuple(_map_paths(item, fn) for item in node.items)
+        return node if all(a is b for a, b in zip(items, node.items)) else type(node)(items)
+    if isinstance(node, Lit):
+        return node
+    field = ("expr" if isinstance(node, Not) else "arg" if isinstance(node, Func)
+             else "left" if isinstance(node, Compare) else "operand")  # fmt: skip
+    changes = {field: _map_paths(getattr(node, field), fn)}
+    if isinstance(node, Compare):
+        changes["right"] = _map_paths(node.right, fn)
+    if all(value is getattr(node, name) for name, value in changes.items()):
+        return node
+    return replace(node, **changes)
+
+
+def _fields(node: Any, out: set[str]) -> set[str]:
+    _map_paths(node, lambda path: out.add(path.path) or path)
     return out
 
 

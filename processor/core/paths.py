@@ -47,6 +47,11 @@ def set_path(record: dict, parts: tuple[str, ...], value: Any) -> None:
     target[parts[-1]] = value
 
 
+def within(parts: tuple[str, ...], selected: list[tuple[str, ...]]) -> bool:
+    """Whether a split path is one of the selected paths or inside one: whether project() keeps it."""
+    return any(parts[: len(s)] == s for s in selected)
+
+
 def project(record: dict, paths: list[tuple[str, ...]]) -> dict:
     """A new record holding only the given paths (a select list), nesting kept."""
     out: dict = {}

@@ -95,7 +95,7 @@ def test_select_list_and_no_empties_view(env, kafka_bootstrap):
     client.publish(topic, {"id": 1, "qty": 5, "note": "b"})  # changes nothing selected: no event
     client.publish(topic, {"id": 1, "qty": 6, "note": "b"})
     client.flush()
-    events = wait_until(lambda: (e := diff_events(kafka_bootstrap, f"{topic}_qty.diff")) and len(e) >= 2 and e)
+    wait_until(lambda: (e := diff_events(kafka_bootstrap, f"{topic}_qty.diff")) and len(e) >= 2 and e)
     time.sleep(1)
     assert diff_events(kafka_bootstrap, f"{topic}_qty.diff") == [("insert", None, {"id": 1, "qty": 5}), ("update", None, {"id": 1, "qty": 6})]
     sub = client.subscribe(topic, delta=True, sow=True, select=["/qty"], no_empties=True)
@@ -173,6 +173,8 @@ def test_a_view_is_queried_and_subscribed_to_by_its_name(env):
     assert client.last_query_source == "workers"
     assert [r.record for r in client.query(f"{topic}_open", filter="/qty > 5")] == [{"id": 2, "status": "open", "qty": 20, "note": "n"}]
     assert sorted((r.record["id"], r.record.get("qty"), "note" in r.record) for r in client.query(f"{topic}_qty")) == [(0, 0, False), (1, 10, False), (2, 20, False)]
+    assert client.query(f"{topic}_qty", filter="/note = 'n'") == []  # the view hides /note: NULL to the caller's filter
+    assert sorted(r.record["id"] for r in client.query(f"{topic}_qty", filter="/qty >= 10 AND /note IS NULL")) == [1, 2]
     changelog = Client(client.bootstrap, client.topology, "nobody")  # no workers: reads `.sow` itself
     assert sorted(r.record["id"] for r in changelog.query(f"{topic}_open")) == [0, 2]
     assert changelog.last_query_source == "changelog"

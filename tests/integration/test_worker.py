@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import uuid
 
 import orjson
 import pytest
@@ -12,7 +11,7 @@ from processor.client.sow_client import Client
 from processor.core.merge import merge
 from processor.topology import load_topology
 
-from .workers import Worker, headers_of, producer, read_all, send, wait_until, write_topology
+from .workers import Worker, headers_of, producer, read_all, wait_until, write_topology
 
 pytestmark = pytest.mark.integration
 

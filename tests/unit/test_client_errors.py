@@ -80,6 +80,11 @@ def test_a_view_name_reads_its_topic_through_the_view_filter_and_select_list():
     with pytest.raises(ClientError, match=r"/px not in the select list of view big"):
         client._through_view("big", None, ["/qty", "/px"])
     assert client._through_view("big", None, ["/order_id", "/qty"])[2] == ["/order_id", "/qty"]  # key fields are in every view record
+    # the caller's filter reads the view's records: a field the select list hides is NULL to it
+    assert client._through_view("big", "/px > 5 OR /order_id = 1", None)[1] == "(/qty > 10) AND (NULL > 5 OR /order_id = 1)"
+    assert client._through_view("big", None, None, "/qty DESC")[0] == "orders"
+    with pytest.raises(ClientError, match=r"/px not in the select list of view big"):
+        client._through_view("big", None, None, "/px DESC")
     with pytest.raises(ValueError, match="'big' is a view of the SOW topic 'orders': query or subscribe to the view, publish to or delete from 'orders'"):
         client.publish("big", {"order_id": 1})
 

@@ -805,3 +805,31 @@ def test_equal_values_share_an_index_key(a, b) -> None:
     if ref_compare("=", a, b) is True:
         keys_a = {orjson.dumps(k) for k in index_keys(a)}
         assert keys_a & {orjson.dumps(k) for k in index_keys(b)}, (a, b)
+
+
+SELECTABLE = ["/a", "/b", "/c", "/n", "/n/x", "/n/y", "/zz"]  # no filter path (PATHS) is above one of these
+
+
+@SETTINGS
+@given(trees, st.lists(st.sampled_from(SELECTABLE), max_size=4), st.lists(records, min_size=1, max_size=8),
+       st.randoms(use_true_random=False))  # fmt: skip
+def test_a_filter_seen_through_a_select_list_reads_the_cut_record(tree, select, recs, rnd) -> None:
+    """What a view's caller filters: the record cut to the view's select list, not the fields it hides."""
+    from processor.core.paths import project, split_path
+
+    f = compile_filter(render(tree, rnd))
+    through = f.seen_through(select)
+    negation = compile_filter(f"NOT ({through.text})")
+    assert through.fields() <= {p for p in f.fields() if any(p == s or p.startswith(s + "/") for s in select)}
+    for record in recs:
+        cut = project(record, [split_path(p) for p in select])
+        assert through.matches(record) is f.matches(cut), (f.text, through.text, record, cut)
+        assert negation.matches(record) is compile_filter(f"NOT ({f.text})").matches(cut)
+
+
+def test_seen_through_examples() -> None:
+    f = compile_filter("/qty > 10 AND (/px IS NULL OR /n/x = 'a')")
+    assert f.seen_through(["/qty", "/n"]).text == "/qty > 10 AND (NULL IS NULL OR /n/x = 'a')"
+    assert f.seen_through(["/qty", "/px", "/n/x"]) is f  # nothing hidden: the same filter
+    assert f.seen_through(["/qty"]).matches({"qty": 11, "px": 5})  # /px is not in the view: NULL
+    assert not compile_filter("/n/x = 'a'").seen_through(["/qty"]).matches({"qty": 11, "n": {"x": "a"}})
