@@ -175,7 +175,9 @@ class Client:
         if unknown := codec.unknown_fields(data):
             raise ClientError(f"{', '.join(unknown)} not in the Avro schema of {spec.topic} (it would be dropped)")
         try:
-            return codec.encode(data), data
+            value = codec.encode(data)
+            # The SowKey is made from the record as a worker reads it (Avro: logical types as plain values).
+            return value, codec.decode(value) if codec.name == "avro" else data
         except (InputError, ValueError, TypeError) as exc:
             raise ClientError(f"record does not fit the {spec.message_type.value} type of {spec.topic}: {exc}") from None
 

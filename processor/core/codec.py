@@ -115,22 +115,32 @@ class AvroCodec:
     def __init__(self, schema_path: str | Path):
         import fastavro
 
+        from processor.core.avro import converters, without_logical_types
+
         self._fastavro = fastavro
-        self.schema = fastavro.parse_schema(json.loads(Path(schema_path).read_text()))
+        raw = json.loads(Path(schema_path).read_text())
+        named: dict = {}
+        self.schema = fastavro.parse_schema(raw, named_schemas=named)
+        # Read without logical types, so values are the JSON ones a store keeps (processor.core.avro).
+        self._wire = fastavro.parse_schema(without_logical_types(raw))
+        self._to_core, self._to_avro = converters(self.schema, named)
 
     def decode(self, data: bytes) -> dict:
         try:
-            record = self._fastavro.schemaless_reader(io.BytesIO(data), self.schema, None)
+            record = self._fastavro.schemaless_reader(io.BytesIO(data), self._wire, None)
         except Exception as exc:  # fastavro raises many types for malformed bytes
             why = str(exc) or ("it ends too soon" if isinstance(exc, EOFError) else type(exc).__name__)
             raise InputError(f"value is not valid Avro for the topic schema: {why}") from None
         if not isinstance(record, dict):
             raise InputError("Avro value must be a record")
-        return record
+        return self._to_core(record) if self._to_core else record
 
     def encode(self, record: dict) -> bytes:
         out = io.BytesIO()
-        self._fastavro.schemaless_writer(out, self.schema, record)
+        try:
+            self._fastavro.schemaless_writer(out, self.schema, self._to_avro(record) if self._to_avro else record)
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:  # fastavro's refusals of a value
+            raise InputError(f"the record does not fit the topic's Avro schema: {exc}") from None
         return out.getvalue()
 
     def unknown_fields(self, record: dict) -> list[str]:

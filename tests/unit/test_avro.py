@@ -88,3 +88,79 @@ def test_avro_topic_merges_deltas(tmp_path):
     sow = [r for r in out if r.topic == "ao.sow"][0]
     assert AvroCodec(SCHEMA).decode(sow.value) == {**full, "status": "filled"}
     assert orjson.loads([r for r in out if r.topic == "ao.diff"][0].value) == {"order_id": 7, "status": "filled"}
+
+
+RICH = {"type": "record", "name": "Trade", "fields": [
+    {"name": "id", "type": "long"},
+    {"name": "at", "type": ["null", {"type": "long", "logicalType": "timestamp-millis"}], "default": None},
+    {"name": "day", "type": ["null", {"type": "int", "logicalType": "date"}], "default": None},
+    {"name": "ref", "type": ["null", {"type": "string", "logicalType": "uuid"}], "default": None},
+    {"name": "amt", "type": ["null", {"type": "bytes", "logicalType": "decimal", "precision": 12, "scale": 2}], "default": None},
+    {"name": "tag", "type": ["null", {"type": "fixed", "name": "Tag", "size": 2}], "default": None},
+    {"name": "blob", "type": ["null", "bytes"], "default": None},
+    {"name": "legs", "type": {"type": "array", "items": {"type": "record", "name": "Leg", "fields": [
+        {"name": "px", "type": "double"}, {"name": "fee", "type": {"type": "fixed", "name": "Fee", "size": 4, "logicalType": "decimal", "precision": 8, "scale": 3}}]}}, "default": []},
+    {"name": "status", "type": ["null", "string"], "default": None}]}
+
+
+def test_avro_logical_types_bytes_and_decimals_survive_the_store_as_json_values(tmp_path):
+    """The store keeps records as JSON: an Avro record is read as Avro's JSON encoding has it
+    (logical types as their numbers, bytes as code points 0-255, decimals as their text), so a delta
+    applied to a restored record still writes `.sow` in the schema. Before, bytes and decimals went
+    to `.errors`, and a delta to a stored timestamp failed as an internal error."""
+    import datetime
+    import decimal
+    import uuid
+
+    path = tmp_path / "trade.avsc"
+    path.write_text(orjson.dumps(RICH).decode())
+    spec = parse_topology({"sow": [{"topic": "tr", "key": ["/id"], "partitions": 1, "message_type": "avro", "schema": str(path)}]}).topic("tr")
+    parsed = fastavro.parse_schema(RICH)
+
+    def avro(record: dict) -> bytes:
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, parsed, record)
+        return out.getvalue()
+
+    ref = uuid.UUID(int=7)
+    at = datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+    full = {"id": 1, "at": at, "day": datetime.date(2024, 1, 2), "ref": ref, "amt": decimal.Decimal("-12.34"),
+            "tag": b"\x00\xff", "blob": b"\x01z", "legs": [{"px": 1.5, "fee": decimal.Decimal("0.125")}], "status": "open"}
+    proc = LocalTopic(spec, tmp_path / "state")
+    out = proc.handle([InputMessage("tr", 0, 0, None, avro(full), [], 1_000)], now=1_000)
+    assert [r.topic for r in out] == ["tr.sow", "tr.diff"], out
+    assert orjson.loads(out[1].value) == {"id": 1, "at": 1704164645000, "day": 19724, "ref": str(ref), "amt": "-12.34", "tag": "\x00\xff",
+                                          "blob": "\x01z", "legs": [{"px": 1.5, "fee": "0.125"}], "status": "open"}
+    assert out[0].value == avro(full)  # `.sow` carries the same Avro bytes
+    proc.commit(0)
+    proc.close()
+    restored = LocalTopic(spec, tmp_path / "state")
+    delta = {**{k: None for k in full}, "id": 1, "status": "done", "legs": []}
+    out = restored.handle([InputMessage("tr.delta", 0, 1, None, avro(delta), [], 2_000)], now=2_000)
+    assert [r.topic for r in out] == ["tr.sow", "tr.diff"], out
+    assert out[0].value == avro({**full, "status": "done", "legs": []})
+    assert AvroCodec(path).decode(out[0].value)["amt"] == "-12.34"
+    nan = restored.handle([InputMessage("tr", 0, 2, None, avro({**full, "id": 2, "legs": [{"px": float("nan"), "fee": decimal.Decimal("0")}]}), [], 3_000)], now=3_000)
+    assert [r.topic for r in nan] == ["tr.errors"]
+    assert dict(nan[0].headers)["sow-error"] == b"/legs[]/px: nan has no JSON form (NaN and infinite numbers are refused)"
+
+
+def test_the_client_publishes_avro_logical_values_and_keys_them_as_the_worker_reads_them(tmp_path):
+    import datetime
+    import decimal
+
+    from processor.client.sow_client import Client, ClientError
+
+    path = tmp_path / "trade.avsc"
+    path.write_text(orjson.dumps({**RICH, "fields": [{"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}}, *RICH["fields"][1:]]}).decode())
+    topology = parse_topology({"sow": [{"topic": "tr", "key": ["/at"], "message_type": "avro", "schema": str(path)}]})
+    client = Client("127.0.0.1:1", topology)
+    at = datetime.datetime(2024, 1, 2, tzinfo=datetime.timezone.utc)
+    value, data = client._encode(topology.topic("tr"), {"at": at, "amt": "12.5", "blob": "\x00\xff"})
+    assert data["at"] == 1704153600000 and data["amt"] == "12.50" and data["blob"] == "\x00\xff"
+    assert client._encode(topology.topic("tr"), {"at": 1704153600000, "amt": decimal.Decimal("12.50"), "blob": b"\x00\xff"})[0] == value
+    assert topology.topic("tr").key_spec.sow_key(data) == topology.topic("tr").key_spec.sow_key({"at": 1704153600000})
+    with pytest.raises(ClientError, match=r"/amt: 'lots' is not a decimal number"):
+        client._encode(topology.topic("tr"), {"at": 1, "amt": "lots"})
+    with pytest.raises(ClientError, match=r"/blob: a bytes value is a string of code points 0-255"):
+        client._encode(topology.topic("tr"), {"at": 1, "blob": "€"})
