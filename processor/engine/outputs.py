@@ -88,8 +88,9 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
                 send(streams.diff, p, key, value, headers)
                 return
             changes = orjson.dumps(t.changes)
-        except orjson.JSONEncodeError as exc:  # an Avro record (of a recursive schema) deeper than orjson writes
-            raise InputError(f"the record cannot be written as JSON ({exc}): objects and arrays nest at most 254 levels deep") from None
+        except orjson.JSONEncodeError as exc:  # e.g. an Avro record (of a recursive schema) deeper than orjson writes
+            deep = ": objects and arrays nest at most 254 levels deep" if "Recursion" in str(exc) else ""
+            raise InputError(f"the record cannot be written as JSON ({exc}){deep}") from None
         if max_bytes and (len(value) > max_bytes or len(changes) > max_bytes):
             big, topic = max((len(value), streams.sow), (len(changes), streams.diff))
             _too_large(t, topic, big, max_bytes)
