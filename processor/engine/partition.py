@@ -119,10 +119,13 @@ class SowPartition:
 
     # commands ----------------------------------------------------------------------
     def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
-        """Apply one command owned by this partition. `published` is the instant a lifetime counts
-        from, `now` the clock that decides what has expired. Raises InputError when refused."""
+        """Apply one command owned by this partition. `published` is the instant the input reached
+        Kafka: a lifetime counts from it, and a record whose instant had not passed by then is still
+        there for it, however late it is applied (a worker behind its inputs, or down a while, does not
+        lose an update or a delete sent in time). `now` is when it is applied. Raises InputError when
+        refused."""
         if cmd.command is _SOW_DELETE:
-            self.delete(cmd, now, out)
+            self.delete(cmd, now, out, at=published)
         else:
             self.write(cmd, published, now, out)
 
@@ -134,13 +137,13 @@ class SowPartition:
         stored = self.stored
         before = state.get(key) if stored else None
         if before is not None:
-            if self.expiring and is_due(before.expires_at, now):
+            if self.expiring and is_due(before.expires_at, published if published < now else now):
                 # Its instant passed before this write came: it expired first, and the write starts anew.
                 state.remove(key)
                 self._removed(_EXPIRE, key, before, now, out)
                 before = None
         if before is None and self.capacity and stored:
-            self._make_room(now, out)
+            self._make_room(published if published < now else now, now, out)
         t = apply_write(key, before, cmd, self.policy, self.key_paths, published, self.next_seq(now))
         if out is not None:  # else the caller keeps transitions, not messages (the reference fold)
             # Refused (InputError, nothing emitted) when the record or its diff is over the size a
@@ -151,11 +154,16 @@ class SowPartition:
         if stored:
             state.put(key, t.after)  # type: ignore[arg-type]
 
-    def _make_room(self, now: int, out: list) -> None:
-        """Before a new record: evict the least recently updated record(s), or refuse the new one."""
+    def _make_room(self, at: int, now: int, out: list) -> None:
+        """Before a new record (sent at `at`): evict the least recently updated record(s), or refuse
+        the new one. Records whose instant passed before it came are not counted: they expire first."""
         state = self.state
         if state.size() < self.capacity:
             return
+        if self.expiring:
+            self.expire_due(now, out, until=at)
+            if state.size() < self.capacity:
+                return
         if self.spec.capacity_policy is CapacityPolicy.REJECT:
             raise InputError(
                 f"capacity reached: partition {self.p} of {self.spec.topic} holds its share of {self.capacity} of capacity "
@@ -165,15 +173,18 @@ class SowPartition:
             if state.size() < self.capacity:
                 break
             state.remove(key)
-            self._removed(Op.EVICT, key, victim, now, out)
+            self._removed(_EXPIRE if self.expiring and is_due(victim.expires_at, at) else Op.EVICT, key, victim, now, out)
 
-    def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None) -> int:
-        """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter.
+    def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None, at: int | None = None) -> int:
+        """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter, sent
+        at `at` (or `sent_at`; else now): a record whose instant passed before then expires instead.
         Returns how many records it removed.
 
         `sent_at` is given for a delete that another worker fanned out to this partition through
         `.repartition`: it can arrive after this partition applied inputs sent later than it, and a
         record one of those wrote (last changed after `sent_at`) is not the delete's to remove."""
+        sent = sent_at if sent_at is not None else at if at is not None else now
+        due_by = sent if sent < now else now
         if not self.stored:
             return 0  # nothing is kept, so nothing can be deleted
         if cmd.sow_key is not None:
@@ -192,7 +203,7 @@ class SowPartition:
             if before is None or (sent_at is not None and before.updated_at > sent_at):
                 continue
             # A record whose instant has passed was gone before the delete came: it expires.
-            op = Op.EXPIRE if expiring and is_due(before.expires_at, now) else Op.DELETE
+            op = Op.EXPIRE if expiring and is_due(before.expires_at, due_by) else Op.DELETE
             state.remove(key)
             self._removed(op, key, before, now, out)
             removed += 1
@@ -200,10 +211,11 @@ class SowPartition:
                 checkpoint(out)
         return removed
 
-    def expire_due(self, now: int, out: list, limit: int | None = None) -> tuple[int, int]:
-        """Remove the records whose instant is at or before `now` (at most `limit`). Returns how many,
-        and the instant of the oldest of them (0 when none): `now` less that instant is how late the
-        sweep came, the `sow-actual-expiry` less `sow-expires-at` of its first expiry."""
+    def expire_due(self, now: int, out: list, limit: int | None = None, until: int | None = None) -> tuple[int, int]:
+        """Remove the records whose instant is at or before `until` (default `now`; at most `limit`),
+        expiring at `now`. Returns how many, and the instant of the oldest of them (0 when none): `now`
+        less that instant is how late the sweep came, the `sow-actual-expiry` less `sow-expires-at` of
+        its first expiry."""
         if not self.policy.active or not self.stored:
             return 0, 0
         state = self.state
@@ -214,7 +226,7 @@ class SowPartition:
         counter = start = state.counter()
         floor = now * 1000
         expired = oldest = 0
-        for at, key in state.due(now):
+        for at, key in state.due(now if until is None else until):
             if expired == limit:
                 break
             record = get(key)

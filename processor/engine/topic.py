@@ -157,9 +157,9 @@ class SowTopicEngine:
         return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)
 
     # timers ---------------------------------------------------------------------------
-    def expire_due(self, p: int, now: int, out: list, limit: int | None = None) -> tuple[int, int]:
+    def expire_due(self, p: int, now: int, out: list, limit: int | None = None, until: int | None = None) -> tuple[int, int]:
         """(records expired, instant of the oldest of them): SowPartition.expire_due."""
-        return self.partitions[p].expire_due(now, out, limit)
+        return self.partitions[p].expire_due(now, out, limit, until)
 
     def release_views(self, p: int, now: int, out: list) -> None:
         """Release the conflated view events whose interval ended."""

@@ -187,3 +187,28 @@ def test_a_topic_incarnation_is_unknown_when_the_cluster_gives_no_topic_id():
     assert topic_incarnation(Admin(KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))), "t") == 0
     one, other = topic_incarnation(Admin(Uuid(-5, 17)), "t"), topic_incarnation(Admin(Uuid(-5, 18)), "t")
     assert one > 0 and other > 0 and one != other
+
+
+def test_a_worker_behind_its_inputs_expires_records_at_the_time_of_its_next_input(monkeypatch, tmp_path):
+    """A delta that reached Kafka before its record's instant, applied late (a backlog, a restart):
+    the record was still there for it. The sweep ran by the wall clock and expired the record first,
+    and the delta became the whole record (seed 000: a delta publish before expiry resets it)."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    # orders is behind (no end yet); the other two inputs are at their ends.
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open", qty=1), t0),
+                            end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    time.sleep(0.01)
+    loop.cycle()  # a sweep while behind: the record's instant (t0 + 1 s) has passed by the clock, not by the inputs
+    delta = [("sow-command", b"delta_publish")]
+    consumer.script.append([Message("orders", 0, 1, _record(1, qty=2), t0 + 500, headers=delta), end_of("orders", 0, 2)])
+    loop.cycle()
+    time.sleep(0.01)
+    loop.cycle()  # caught up: now it expires, by the clock
+    sow = [orjson.loads(v) if v else None for topic, _, _, v in producers[-1].delivered if topic == "orders.sow"]
+    assert sow == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}, None]
+    expired = [orjson.loads(v) for topic, _, _, v in producers[-1].delivered if topic == "EXP.orders"]
+    assert expired == [{"id": 1, "status": "open", "qty": 2}]

@@ -176,6 +176,7 @@ class Task:
     at_end: list[bool] = field(default_factory=lambda: [False, False, False])  # caught up (end-of-partition seen)
     tops: list[int] = field(default_factory=lambda: [0, 0, 0])  # largest timestamp filed per input (its sort time)
     fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
+    filed_at: float = field(default_factory=time.monotonic)  # when a message of its inputs was last filed (monotonic)
     store: PartitionStore | None = None
     restored: bool = False
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
@@ -614,6 +615,7 @@ class SowLoop:
         """Put consumed messages in the queue of their input partition (end-of-partition events mark
         an input as caught up)."""
         task_of = self._task_of_input
+        mono = time.monotonic()
         for msg in messages:
             err = msg.error()
             if err is not None:
@@ -641,10 +643,10 @@ class SowLoop:
             if ts > top:
                 task.tops[rank] = top = ts
             task.fetched[rank] = offset + 1
+            task.filed_at = mono
             task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
             task.at_end[rank] = False
         if self.settings.order_grace_ms:
-            mono = time.monotonic()
             tops: dict[str, int] = {}
             for task in self.tasks.values():
                 topic = task.engine.spec.topic
@@ -791,7 +793,7 @@ class SowLoop:
                 continue
             engine = task.engine
             if engine.spec.expiry.active:
-                expired, oldest = engine.expire_due(task.p, now, out, limit)
+                expired, oldest = engine.expire_due(task.p, now, out, limit, self._expiry_clock(task, now))
                 if expired:
                     self._cycle_expired += expired
                     task.lateness.observe((now - oldest) / 1000)
@@ -800,6 +802,24 @@ class SowLoop:
             if engine.conflates:
                 engine.release_views(task.p, now, out)
         _SWEEP_SECONDS.inc(time.perf_counter() - began)
+
+    def _expiry_clock(self, task: Task, now: int) -> int:
+        """The instant up to which a partition's records may expire now: `now` when its inputs are
+        caught up, else the time of the next input to apply (or, none fetched yet, of the last one
+        filed), so an update or a delete that reached Kafka before a record's instant finds it there
+        however far behind the worker is (as `ksow snapshot`'s fold has it). An input that stays
+        behind longer than `max_idle_ms` (as the order merge) no longer holds expiry back."""
+        heads = [q[0][0] for q in task.queues if q]
+        if heads:
+            head = min(heads)
+            return head if head < now else now
+        paused = self._paused
+        if all(task.at_end) and not any(tp in paused for tp in task.inputs):
+            return now
+        if (time.monotonic() - task.filed_at) * 1000 >= self.settings.max_idle_ms:
+            return now  # behind, but nothing came for that long: not a backlog being worked off
+        top = max(task.tops)
+        return top if top < now else now
 
     # commit ---------------------------------------------------------------------------------
     def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter, rewind: bool = True) -> bool:
