@@ -30,7 +30,7 @@ from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_key
 from processor.core.paths import split_path, within
-from processor.core.subscription import SubscriptionSpec, conflate
+from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import SowQuery, order_and_cut, result, selection
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology
@@ -510,7 +510,7 @@ class Client:
                             continue
                         if feed.interval:
                             key = change[1]
-                            feed.pending[key] = _conflate_event(feed.pending.get(key), event)
+                            feed.pending[key] = conflate_event(feed.pending.get(key), event, feed.sub.delta)
                         else:
                             yield i, event
                 idle = timeout is not None and now - idle_since > timeout
@@ -626,17 +626,6 @@ def _tls_context(ca_file: str | None) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise ClientError(f"cannot use KSOW_WEB_CA {ca_file}: {exc}") from None
-
-
-def _conflate_event(pending: dict | None, event: dict) -> dict:
-    """Within a conflation interval: deltas merge, anything else replaces what was waiting."""
-    if pending is None or event["op"] in ("oof", "delete", "expire", "evict") or pending["op"] in ("oof", "delete", "expire", "evict"):
-        return event
-    merged = dict(event)
-    merged["record"] = conflate(pending["record"], event["record"])
-    if pending["op"] == "insert":
-        merged["op"] = "insert"
-    return merged
 
 
 # The same operations as plain functions, for scripts (each opens a Client for the call).

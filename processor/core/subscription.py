@@ -85,3 +85,21 @@ class SubscriptionSpec:
 def conflate(pending: dict | None, delta: dict) -> dict:
     """Merge a delta into the one waiting for the end of a conflation interval."""
     return delta if pending is None else merge(pending, delta)
+
+
+_GONE = ("oof", "delete", "expire", "evict")
+
+
+def conflate_event(pending: dict | None, event: dict, delta: bool) -> dict:
+    """The one event a conflation interval sends for a record, after `event` came: deltas merge; a
+    full record, or anything else, replaces what was waiting (the record as it is then, not a merge
+    of its versions: a field a publish removed stays removed). A record inserted within the
+    interval stays an insert."""
+    if pending is None or event["op"] in _GONE or pending["op"] in _GONE:
+        return event
+    merged = dict(event)
+    if delta:
+        merged["record"] = conflate(pending["record"], event["record"])
+    if pending["op"] == "insert":
+        merged["op"] = "insert"
+    return merged

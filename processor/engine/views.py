@@ -23,7 +23,7 @@ from processor.contract.types import Op, Output
 from processor.contract import headers as H
 from processor.core.durations import parse_duration_ms
 from processor.core.filters import compile_filter
-from processor.core.subscription import SubscriptionSpec, conflate
+from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.core.sow import Transition
 from processor.topology import SowTopic, View
 
@@ -77,7 +77,7 @@ class ViewProcessor:
         expires = record.expires_at if record else None
         key = t.key.encode()
         was, now_in = self.sub.matches(before), self.sub.matches(after)
-        base = [(H.KEY, key), (H.SEQ, b"%d" % t.seq)]
+        base = [(H.SEQ, b"%d" % t.seq)] if self.sub.no_sowkey else [(H.KEY, key), (H.SEQ, b"%d" % t.seq)]
         if expires is not None:
             base.append((H.EXPIRES_AT, b"%d" % expires))
         if t.op is Op.EXPIRE:  # as on the SOW topic's own expire events
@@ -103,14 +103,11 @@ class ViewProcessor:
         held = waiting.get(key)
         if held is None:
             held = waiting[key] = _Pending(now + self.conflation_ms, event, headers)
-        elif held.event["op"] in ("insert", "update") and event["op"] in ("insert", "update"):
-            merged = dict(event, record=conflate(held.event["record"], event["record"]))
-            if held.event["op"] == "insert":
-                merged["op"] = "insert"
-                headers = [(k, v) for k, v in headers if k != H.OP] + [(H.OP, b"insert")]
-            held.event, held.headers = merged, headers
         else:
-            held.event, held.headers = event, headers
+            merged = conflate_event(held.event, event, True)
+            if merged["op"] != event["op"]:
+                headers = [(k, v) for k, v in headers if k != H.OP] + [(H.OP, merged["op"].encode())]
+            held.event, held.headers = merged, headers
         value = orjson.dumps({"due": held.due, "event": held.event, "headers": [(k, v.decode()) for k, v in held.headers]})
         out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), value, []))
 

@@ -76,3 +76,16 @@ def test_no_sowkey_and_full_records():
     event = sub.change(Op.UPDATE, "K", 3, {"id": 1, "a": 1}, {"id": 1, "a": 2})
     assert "sow_key" not in event and event["record"] == {"id": 1, "a": 2}
     assert sub.snapshot("K", 1, {"id": 1}) == {"op": "sow", "seq": 1, "record": {"id": 1}}
+
+
+def test_conflation_merges_deltas_and_keeps_the_last_full_record():
+    """A regular subscriber gets whole records: within an interval the last one replaces what was
+    waiting (a field the last publish removed stays removed); a delta subscriber's deltas merge."""
+    from processor.core.subscription import conflate_event
+
+    first = {"op": "insert", "record": {"id": 1, "status": "open", "note": "rush", "m": {"a": 1}}}
+    last = {"op": "update", "record": {"id": 1, "status": "done", "m": {"b": 2}}}
+    assert conflate_event(first, last, delta=False) == {"op": "insert", "record": {"id": 1, "status": "done", "m": {"b": 2}}}
+    assert conflate_event(first, last, delta=True)["record"] == {"id": 1, "status": "done", "note": "rush", "m": {"a": 1, "b": 2}}
+    gone = {"op": "delete", "record": {"id": 1}}
+    assert conflate_event(first, gone, delta=True) is gone and conflate_event(gone, last, delta=False) is last

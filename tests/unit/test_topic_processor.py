@@ -377,3 +377,16 @@ def test_a_view_tells_when_its_records_expired_as_the_topic_does(tmp_path):
     out = by_topic(proc.expire_due(0, now=11_050))
     for topic in ("orders.sow", "open_orders.sow", "open_orders.diff"):
         assert hdr(out[topic][0], "sow-op") in (b"expire", b"oof") and hdr(out[topic][0], "sow-actual-expiry") == b"11050", topic
+
+
+def test_a_view_with_no_sowkey_leaves_the_sow_key_header_off_its_messages(tmp_path):
+    """Seed 001's no_sowkey: the view's messages keep the SowKey as their Kafka key (compaction
+    needs it) but not as a header; without the option they carry both."""
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}],
+                               "views": [{"name": "bare", "topic": "orders", "options": ["no_sowkey"]}, {"name": "keyed", "topic": "orders"}]})
+    proc = LocalTopic(topology.topic("orders"), tmp_path, views=topology.views_of("orders"))
+    out = by_topic(run(proc, [msg(proc, {"id": 1, "s": "open"}, ts=1_000, partition=0)]))
+    for topic in ("bare.sow", "bare.diff"):
+        assert out[topic][0].key and hdr(out[topic][0], "sow-key") is None, topic
+    for topic in ("keyed.sow", "keyed.diff"):
+        assert hdr(out[topic][0], "sow-key") == out[topic][0].key, topic
