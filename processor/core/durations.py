@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.ASCII)  # ASCII: float() reads other scripts' digits too
 
 # Every duration (lifetimes, expiration clamps, conflation) is at most 36,500 days, about 100
 # years: an instant "now + lifetime" then always fits the signed 64-bit milliseconds that record

@@ -211,7 +211,7 @@ FUNC: /(upper|lower)\b/i
 COMPOP: /<>|!=|<=|>=|=|<|>/
 PATH: /(\/[\w$@.:-]+)+/
 STRING: /'(?:[^']|'')*'/ | /"(?:[^"]|"")*"/
-NUMBER: /-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?/
+NUMBER: /-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?/
 %ignore /\s+/
 """
 
@@ -405,7 +405,7 @@ def _describe(terminals) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Value semantics (the slow, general path; compiled closures take shortcuts for common cases)
 
-_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")  # unambiguous: linear on digit runs
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?", re.ASCII)  # unambiguous: linear on digit runs; ASCII digits only
 _BOOL_TEXT = {"true": True, "false": False}
 
 

@@ -136,3 +136,11 @@ def test_a_record_is_live_until_its_instant(policy, expires_at, now):
 def test_a_positive_lifetime_too_short_to_count_is_one_millisecond_not_never(text):
     """0 means never expires: a lifetime under half a millisecond must not round to it."""
     assert parse_duration_ms(text) == 1
+
+
+@pytest.mark.parametrize("text", ["٦٠", "６０", "1\u00a0s", "٣s"])
+def test_a_duration_is_written_in_ascii_digits(text):
+    """Python's float() reads the digits of every script: a `sow-expiration` of Arabic-Indic or
+    full-width digits was a lifetime, where `1D` or `2H` is an error."""
+    with pytest.raises(DurationError):
+        parse_duration_ms(text)

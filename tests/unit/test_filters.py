@@ -833,3 +833,10 @@ def test_seen_through_examples() -> None:
     assert f.seen_through(["/qty", "/px", "/n/x"]) is f  # nothing hidden: the same filter
     assert f.seen_through(["/qty"]).matches({"qty": 11, "px": 5})  # /px is not in the view: NULL
     assert not compile_filter("/n/x = 'a'").seen_through(["/qty"]).matches({"qty": 11, "n": {"x": "a"}})
+
+
+def test_numbers_are_ascii_digits_in_filters_and_in_the_strings_they_compare():
+    assert not compile_filter("/a = 60").matches({"a": "٦٠"})  # a string of other digits is no number
+    assert compile_filter("/a = 60").matches({"a": "60"})
+    with pytest.raises(FilterError):
+        compile_filter("/a = ٦٠")
