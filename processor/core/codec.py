@@ -126,13 +126,16 @@ class AvroCodec:
         self._to_core, self._to_avro = converters(self.schema, named)
 
     def decode(self, data: bytes) -> dict:
+        buffer = io.BytesIO(data)
         try:
-            record = self._fastavro.schemaless_reader(io.BytesIO(data), self._wire, None)
+            record = self._fastavro.schemaless_reader(buffer, self._wire, None)
         except Exception as exc:  # fastavro raises many types for malformed bytes
             why = str(exc) or ("it ends too soon" if isinstance(exc, EOFError) else type(exc).__name__)
-            raise InputError(f"value is not valid Avro for the topic schema: {why}") from None
+            raise InputError(f"value is not valid Avro for the topic schema: {why}{_wire_format_hint(data)}") from None
         if not isinstance(record, dict):
             raise InputError("Avro value must be a record")
+        if (left := len(data) - buffer.tell()) > 0:  # a value of another schema, or of another framing
+            raise InputError(f"value is not a record of the topic's Avro schema: {left} bytes left after it{_wire_format_hint(data)}")
         return self._to_core(record) if self._to_core else record
 
     def encode(self, record: dict) -> bytes:
@@ -150,6 +153,14 @@ class AvroCodec:
     def delta_fields(self, record: dict) -> dict:
         """An Avro record always carries every field: in a delta, null means "not sent"."""
         return {k: self.delta_fields(v) if isinstance(v, dict) else v for k, v in record.items() if v is not None}
+
+
+def _wire_format_hint(data: bytes) -> str:
+    """What a value that starts as Confluent's serializers frame Avro most likely is."""
+    if len(data) > 5 and data[0] == 0:
+        return (f" (it starts as Confluent's wire format does: magic byte 0, schema id {int.from_bytes(data[1:5], 'big')}; "
+                "ksow reads plain schemaless Avro written with the topic's schema)")
+    return ""
 
 
 def _unknown_fields(schema, value, at: str) -> list[str]:

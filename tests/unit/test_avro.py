@@ -164,3 +164,16 @@ def test_the_client_publishes_avro_logical_values_and_keys_them_as_the_worker_re
         client._encode(topology.topic("tr"), {"at": 1, "amt": "lots"})
     with pytest.raises(ClientError, match=r"/blob: a bytes value is a string of code points 0-255"):
         client._encode(topology.topic("tr"), {"at": 1, "blob": "€"})
+
+
+def test_an_avro_value_with_bytes_left_over_goes_to_errors_naming_confluent_framing():
+    """Confluent's serializers put a magic byte 0 and a 4-byte schema id before the record: read as
+    plain Avro it decoded to a made-up record (order 0, px 4.8e180), and two of them overwrote each
+    other without a word. Any bytes left after the record now refuse the value."""
+    codec = AvroCodec(SCHEMA)
+    good = encode({"order_id": 301, "status": "open"})
+    with pytest.raises(InputError, match=r"bytes left after it \(it starts as Confluent's wire format does: magic byte 0, schema id 1;"):
+        codec.decode(b"\x00" + (1).to_bytes(4, "big") + good)
+    with pytest.raises(InputError, match=r"8 bytes left after it$"):
+        codec.decode(good + b"trailing")
+    assert codec.decode(good)["order_id"] == 301
