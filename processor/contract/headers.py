@@ -24,4 +24,6 @@ ERROR_OFFSET = "sow-error-offset"
 # Internal, on `<topic>.repartition` only.
 ORIGIN = "ksow-origin"  # the command a rerouted input defaulted to on its first topic
 LOCAL = "ksow-local"  # a fanned-out delete applies to this partition only
-INTERNAL = frozenset({ORIGIN, LOCAL})
+SOURCE = "ksow-source"  # where a rerouted input was first: b"topic:partition:offset" (its `.errors` record says so)
+SOURCE_KEY = "ksow-source-key"  # its Kafka key there (absent: it had none)
+INTERNAL = frozenset({ORIGIN, LOCAL, SOURCE, SOURCE_KEY})

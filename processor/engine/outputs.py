@@ -128,14 +128,28 @@ def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:
                      f"{max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
 
 
+def source_headers(msg: InputMessage) -> list[tuple[str, bytes]]:
+    """The headers that take where an input was first (topic, partition, offset, Kafka key) along
+    when it is rerouted through `.repartition`, so its `.errors` record points at the publisher's
+    message. A rerouted input keeps those it came with."""
+    found = [(k, v) for k, v in (msg.headers or ()) if k == H.SOURCE or k == H.SOURCE_KEY]
+    if found:
+        return found
+    headers = [(H.SOURCE, b"%s:%d:%d" % (msg.topic.encode(), msg.partition, msg.offset))]
+    return headers if msg.key is None else headers + [(H.SOURCE_KEY, msg.key)]
+
+
 def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:
-    """The `.errors` record of an input that could not be applied: its original bytes and the reason,
-    in the partition of the input (so it belongs to the same owner's transactions)."""
-    headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL]
-    headers += [
-        (H.ERROR, reason.encode()),
-        (H.ERROR_TOPIC, msg.topic.encode()),
-        (H.ERROR_PARTITION, b"%d" % msg.partition),
-        (H.ERROR_OFFSET, b"%d" % msg.offset),
-    ]
-    return Output(streams.errors, msg.partition, msg.key, msg.value, headers)
+    """The `.errors` record of an input that could not be applied: its original bytes, key and place
+    (before any rerouting) and the reason, in the partition it was read from (so it belongs to the
+    same owner's transactions)."""
+    topic, partition, offset, key = msg.topic.encode(), b"%d" % msg.partition, b"%d" % msg.offset, msg.key
+    headers = []
+    for k, v in msg.headers or ():
+        if k == H.SOURCE and isinstance(v, bytes) and v.count(b":") >= 2:
+            topic, partition, offset = v.rsplit(b":", 2)
+            key = next((v for k, v in msg.headers if k == H.SOURCE_KEY), None)
+        elif k not in H.INTERNAL:
+            headers.append((k, v))
+    headers += [(H.ERROR, reason.encode()), (H.ERROR_TOPIC, topic), (H.ERROR_PARTITION, partition), (H.ERROR_OFFSET, offset)]
+    return Output(streams.errors, msg.partition, key, msg.value, headers)

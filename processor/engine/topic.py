@@ -20,7 +20,7 @@ from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
-from processor.engine.outputs import Streams, rejected
+from processor.engine.outputs import Streams, rejected, source_headers
 from processor.engine.partition import SEQ_PARTITION_BITS, PartitionState, SowPartition
 from processor.engine.views import ViewProcessor, views_of
 from processor.state.base import IndexSpec
@@ -151,7 +151,7 @@ class SowTopicEngine:
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]
-        headers += [(H.ORIGIN, default.value.encode()), _LOCAL]
+        headers += [(H.ORIGIN, default.value.encode()), _LOCAL, *source_headers(msg)]
         if extra:
             headers.append(extra)
         return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)

@@ -390,3 +390,21 @@ def test_a_view_with_no_sowkey_leaves_the_sow_key_header_off_its_messages(tmp_pa
         assert out[topic][0].key and hdr(out[topic][0], "sow-key") is None, topic
     for topic in ("keyed.sow", "keyed.diff"):
         assert hdr(out[topic][0], "sow-key") == out[topic][0].key, topic
+
+
+def test_a_rerouted_input_that_fails_is_filed_with_its_first_key_and_place(proc, monkeypatch):
+    """Rerouted through `.repartition` to another worker, an input that its owner cannot apply
+    (here: over the size a message may have) was filed under its SowKey and the internal topic's
+    place, so an operator could not find the publisher's message."""
+    record = {"id": 3, "v": 1}
+    owner = owner_partition(key_of(proc, record), N)
+    (r,) = run(proc, [InputMessage("orders.delta", (owner + 1) % N, 41, b"pub-key", orjson.dumps(record), [("x", b"y")], 1234)])
+    assert hdr(r, "ksow-source") == b"orders.delta:%d:41" % ((owner + 1) % N) and hdr(r, "ksow-source-key") == b"pub-key"
+    monkeypatch.setenv("KSOW_MAX_RECORD_BYTES", "10")
+    small = LocalTopic(proc.spec, None)
+    (err,) = run(small, [InputMessage("orders.repartition", owner, 5, r.key, r.value, r.headers, r.timestamp)])
+    assert err.topic == "orders.errors" and err.partition == owner and err.key == b"pub-key" and err.value == r.value
+    assert [(k, v) for k, v in err.headers if not k.startswith("sow-error")] == [("x", b"y")]
+    assert (hdr(err, "sow-error-topic"), hdr(err, "sow-error-partition"), hdr(err, "sow-error-offset")) == (b"orders.delta", b"%d" % ((owner + 1) % N), b"41")
+    forged = run(small, [InputMessage("orders.repartition", owner, 6, b"k", b"{", [("ksow-source", b"nonsense")], 1)])
+    assert hdr(forged[0], "sow-error-topic") == b"orders.repartition" and forged[0].key == b"k"
