@@ -158,8 +158,8 @@ def _bytes_writer(at: str) -> Convert:
 
 
 def _decimal_reader(scale: int) -> Convert:
-    def read(v: bytes) -> str:
-        return str(Decimal(int.from_bytes(v, "big", signed=True)).scaleb(-scale))
+    def read(v: bytes) -> str:  # from text, so no context rounds it (28 digits): exact at any precision
+        return format(Decimal(f"{int.from_bytes(v, 'big', signed=True)}e-{scale}"), "f")
 
     return read
 

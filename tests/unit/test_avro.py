@@ -177,3 +177,18 @@ def test_an_avro_value_with_bytes_left_over_goes_to_errors_naming_confluent_fram
     with pytest.raises(InputError, match=r"8 bytes left after it$"):
         codec.decode(good + b"trailing")
     assert codec.decode(good)["order_id"] == 301
+
+
+@pytest.mark.parametrize("text", ["12345678901234567890123456789012.345678", "-0.000001", "0.000000", "7.000000"])
+def test_a_decimal_reads_as_its_exact_text_at_any_precision(tmp_path, text):
+    import decimal
+
+    schema = {"type": "record", "name": "D", "fields": [{"name": "id", "type": "long"},
+              {"name": "amt", "type": {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 6}}]}
+    path = tmp_path / "d.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    codec = AvroCodec(path)
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, fastavro.parse_schema(schema), {"id": 1, "amt": decimal.Decimal(text)})
+    assert codec.decode(out.getvalue())["amt"] == text
+    assert codec.encode({"id": 1, "amt": text}) == out.getvalue()
