@@ -65,6 +65,10 @@ class ScriptedConsumer:
         self.paused: set[tuple[str, int]] = set()
         self.assigned: list[tuple[str, int]] = []
         self.offsets: dict[tuple[str, int], int] = {}
+        self.highs: dict[tuple[str, int], int] = {}  # the broker's end offsets (get_watermark_offsets)
+
+    def get_watermark_offsets(self, tp, timeout=None, cached=False) -> tuple[int, int]:
+        return 0, self.highs.get((tp.topic, tp.partition), 0)
 
     def subscribe(self, topics, **callbacks) -> None:
         pass

@@ -212,3 +212,25 @@ def test_a_worker_behind_its_inputs_expires_records_at_the_time_of_its_next_inpu
     assert sow == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}, None]
     expired = [orjson.loads(v) for topic, _, _, v in producers[-1].delivered if topic == "EXP.orders"]
     assert expired == [{"id": 1, "status": "open", "qty": 2}]
+
+
+def test_after_the_loop_stood_still_its_inputs_are_behind_until_the_broker_says_otherwise(monkeypatch, tmp_path):
+    """A worker stopped (SIGSTOP, a long stall) while a delta was sent before its record's instant:
+    its inputs' last end events said "caught up", so the first sweep after it went on expired the
+    record by the clock, and the delta became the whole record (an exploratory run, SIGSTOP 7 s)."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    t0 = now_ms() - 500  # the record's instant: t0 + 1 s, half a second from now
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open", qty=1), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    consumer.highs.update({("orders", 0): 1, ("orders.delta", 0): 1})  # meanwhile a delta came, at t0 + 300
+    time.sleep(1.1)  # the loop stands still (longer than STALL_SECONDS), and the instant passes
+    loop.cycle()  # its sweep must not expire: orders.delta is behind
+    consumer.script.append([Message("orders.delta", 0, 0, _record(1, qty=2), t0 + 300), end_of("orders.delta", 0, 1)])
+    loop.cycle()
+    time.sleep(0.01)
+    loop.cycle()
+    sow = [orjson.loads(v) if v else None for topic, _, _, v in producers[-1].delivered if topic == "orders.sow"]
+    assert sow == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}, None]

@@ -162,6 +162,7 @@ def _kill(step: str) -> None:
 
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
+STALL_SECONDS = 1.0  # a gap in the loop after which what its inputs' ends said is not trusted (_check_awake)
 _AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
 
 
@@ -177,6 +178,7 @@ class Task:
     tops: list[int] = field(default_factory=lambda: [0, 0, 0])  # largest timestamp filed per input (its sort time)
     fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
     filed_at: float = field(default_factory=time.monotonic)  # when a message of its inputs was last filed (monotonic)
+    ends: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset its last end-of-partition event gave per input
     store: PartitionStore | None = None
     restored: bool = False
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
@@ -361,6 +363,7 @@ class SowLoop:
         self._admin: AdminClient | None = None  # made when a restore first needs it (topic IDs)
         self._stop = threading.Event()
         self._next_sweep = 0.0
+        self._awake_at = 0.0  # when the loop last looked at the clock (a longer gap: it was stopped, _check_awake)
         self._timed = any(e.spec.expiry.active or e.conflates for e in self.engines.values())  # sweeps to run on time
         self.batch_max = self.settings.batch_max or (20_000 if self._timed else 50_000)
         self._more = False  # a merge left inputs it could have applied (it took a cycle's worth): no waiting
@@ -563,6 +566,7 @@ class SowLoop:
         # at all when the last merge left inputs it could apply (it takes at most `batch_max`).
         # Inputs sent together may still be split across cycles: the order grace keeps them in order.
         wait = 0.05
+        self._check_awake()
         mono = time.monotonic()
         self._cycle_began = mono
         self._cycle_expired = 0
@@ -623,6 +627,7 @@ class SowLoop:
                     found = task_of.get((msg.topic(), msg.partition()))
                     if found is not None:
                         found[0].at_end[found[1]] = True
+                        found[0].ends[found[1]] = msg.offset()
                 elif err.fatal():
                     raise KafkaException(err)
                 else:
@@ -781,6 +786,7 @@ class SowLoop:
     def _sweep_if_due(self, out: list) -> None:
         """Expire what is due and release conflated view events whose interval ended, every
         `expiry_tick_ms` (in the batch's transaction: a record expires exactly once)."""
+        self._check_awake()
         mono = time.monotonic()
         if mono < self._next_sweep:
             return
@@ -802,6 +808,29 @@ class SowLoop:
             if engine.conflates:
                 engine.release_views(task.p, now, out)
         _SWEEP_SECONDS.inc(time.perf_counter() - began)
+
+    def _check_awake(self) -> None:
+        """After a gap in the loop (the process stopped, a slow commit or restore), what the inputs'
+        ends said is stale: data may have come meanwhile, and a sweep by the clock would expire
+        records an input sent in time still finds (and the merge could pass over an older input).
+        Each input is caught up again only if its end has not moved since its last end event (asked
+        of the broker); else it is behind until fetched, and the wait for it counts from now."""
+        mono = time.monotonic()
+        gap = mono - self._awake_at if self._awake_at else 0.0
+        self._awake_at = mono
+        if gap <= STALL_SECONDS:
+            return
+        log.info("the loop stood still %.1f s: asking where its inputs end", gap)
+        for task in self.tasks.values():
+            task.filed_at = mono
+            for rank, (topic, p) in enumerate(task.inputs):
+                if task.at_end[rank]:
+                    try:
+                        high = self.consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=2.0, cached=False)[1]
+                    except KafkaException:
+                        high = None
+                    task.at_end[rank] = high == task.ends[rank]
+        self._awake_at = time.monotonic()
 
     def _expiry_clock(self, task: Task, now: int) -> int:
         """The instant up to which a partition's records may expire now: `now` when its inputs are
