@@ -48,6 +48,7 @@ class SowCommand:
     expiration_ms: int | None = None  # from the sow-expiration header
     keys: tuple[str, ...] = ()  # sow-keys of a delete by keys
     filter: str | None = None  # sow-filter of a delete by filter
+    whole: dict | None = None  # an Avro delta as read, nulls for the fields not sent: what it stores when no record is there (as `.sow` carries it)
 
 @dataclass(slots=True)
 class InputMessage:

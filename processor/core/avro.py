@@ -166,14 +166,17 @@ def _decimal_reader(scale: int) -> Convert:
 
 def _decimal_writer(at: str) -> Convert:
     def write(v: Any) -> Any:
-        if isinstance(v, Decimal) or isinstance(v, bytes):
+        if isinstance(v, bytes):
             return v
         try:
             if isinstance(v, bool):
                 raise InvalidOperation
-            return Decimal(str(v))
+            number = v if isinstance(v, Decimal) else Decimal(str(v))
         except InvalidOperation:
-            raise InputError(f"{at}: {v!r} is not a decimal number") from None
+            number = None
+        if number is None or not number.is_finite():
+            raise InputError(f"{at}: {v!r} is not a decimal number")
+        return number
 
     return write
 

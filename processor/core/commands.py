@@ -64,7 +64,8 @@ def parse_command(
             raise InputError(f"{command.value} has no value (a tombstone is not a record; use sow_delete)")
         record = codec.decode(value)
         if command is _DELTA_PUBLISH and codec.trims_deltas:
-            record = codec.delta_fields(record)
+            whole, record = record, codec.delta_fields(record)
+            return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms, whole=whole)
         return SowCommand(command, keys.sow_key(record, header_key), record, expiration_ms)
     except KeyError_ as exc:
         raise InputError(str(exc)) from None

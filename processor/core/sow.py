@@ -40,7 +40,7 @@ def apply_write(
     if command.command is _DELTA_PUBLISH and before is not None:
         data = merge(before.data, command.data)
     else:
-        data = command.data
+        data = command.data if command.whole is None else command.whole
     after = SowRecord(data, seq, policy.expires_at(now_ms, command.expiration_ms), now_ms)
     changes = diff(before.data if before else None, data, key_paths)
     return Transition(_UPDATE if before is not None else _INSERT, key, seq, before, after, changes, now_ms)
