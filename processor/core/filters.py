@@ -40,6 +40,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -49,7 +50,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 from processor.core.paths import MISSING, get_path, split_path, within
 from processor.core.regex import Regex, RegexError
 
-__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "MATCH_ALL"]
+__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "spelled_number", "MATCH_ALL"]
 
 
 class FilterError(ValueError):
@@ -407,6 +408,11 @@ def _describe(terminals) -> list[str]:
 
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?", re.ASCII)  # unambiguous: linear on digit runs; ASCII digits only
 _BOOL_TEXT = {"true": True, "false": False}
+
+
+def spelled_number(s: str) -> Decimal | None:
+    """The exact number a string spells, as filters read it ('10', '-2.50', '1e3'), or None."""
+    return Decimal(s) if _NUMBER.fullmatch(s) else None
 
 
 def _to_number(s: str) -> int | float | None:

@@ -17,7 +17,7 @@ from processor.contract.errors import KsowError
 from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
-from processor.core.filters import Filter, compile_filter
+from processor.core.filters import Filter, compile_filter, spelled_number
 from processor.core.paths import MISSING, PathError, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore
@@ -242,13 +242,16 @@ def order_and_cut(rows: list, query: SowQuery, data_of) -> list:
 
 
 def _sortable(value: Any) -> tuple[int, Any]:
-    """Numbers before strings before anything else, so mixed types never fail to sort."""
+    """Numbers before strings before anything else, so mixed types never fail to sort. A string that
+    spells a number sorts as that number, exactly (as filters compare it: an Avro decimal's text,
+    '10' after '9')."""
     if isinstance(value, bool):
         return (2, str(value))
     if isinstance(value, (int, float)):
         return (0, value)
     if isinstance(value, str):
-        return (1, value)
+        number = spelled_number(value)
+        return (1, value) if number is None else (0, number)
     return (3, repr(value))
 
 

@@ -69,6 +69,17 @@ def test_order_puts_missing_last_and_mixes_types():
     assert out == [{"v": 1.5}, {"v": 2}, {"v": "a"}, {}]
 
 
+def test_a_string_that_spells_a_number_sorts_as_that_number_exactly():
+    """As filters compare it: an Avro decimal's text sorted as text put 5.50 after 12.34, so `--top`
+    on a money field returned the wrong rows."""
+    values = ["100.00", "5.50", 3, "12.34", "-0.0001", "-3.0000", "abc", "12345678901234567890.000002", "12345678901234567890.000001"]
+    out = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v DESC", top=4), lambda r: r)
+    assert [r["v"] for r in out] == ["abc", "12345678901234567890.000002", "12345678901234567890.000001", "100.00"]
+    ascending = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v"), lambda r: r)
+    assert [r["v"] for r in ascending] == ["-3.0000", "-0.0001", 3, "5.50", "12.34", "100.00", "12345678901234567890.000001",
+                                           "12345678901234567890.000002", "abc"]
+
+
 def test_index_finds_values_of_any_spelling(tmp_path):
     store = open_partition_store("rocksdb", str(tmp_path / "x"), IndexSpec((("/n",),)))
     for key, n in (("a", 10), ("b", 10.0), ("c", "10"), ("d", [3, 10]), ("e", 11), ("f", None)):
