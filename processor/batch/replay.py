@@ -26,10 +26,12 @@ if TYPE_CHECKING:
 
 
 def event(t: Transition) -> dict:
-    """A change as a JSON-lines object: the fields of a delta subscription, plus `at`."""
+    """A change as a JSON-lines object: the fields of a delta subscription, plus `at`. `seq` is
+    null: the fold numbers its own events, not the workers' sow-seq (which `subscribe --after-seq`
+    takes), so printing them would invite a resume from the wrong place."""
     record = t.after if t.after is not None else t.before
     assert record is not None
-    out = {"op": t.op.value, "sow_key": t.key, "seq": t.seq, "at": t.at_ms, "expires_at": record.expires_at, "record": record.data}
+    out = {"op": t.op.value, "sow_key": t.key, "seq": None, "at": t.at_ms, "expires_at": record.expires_at, "record": record.data}
     if t.changes is not None:
         out["diff"] = t.changes
     return out

@@ -1,10 +1,11 @@
 """`ksow snapshot`: the SOW of a topic exactly as it stood at an instant, rebuilt by Spark from the
 input topics `<topic>` and `<topic>.delta` (the rules are those of `processor.engine.fold`).
 
-How it stays vectorized (no Python function per input record):
-1. `classify`: every input is classified with Spark expressions: headers, command, lifetime,
-   validity (what the worker would reject is dropped), and its key group (the key fields' JSON
-   values, read from the VARIANT that `try_parse_json` makes).
+How it stays mostly vectorized:
+1. `classify`: every input is classified with Spark expressions: headers, command, lifetime and
+   its key group (the key fields' JSON values, read from the VARIANT that `try_parse_json` makes).
+   What the worker would reject is dropped, and that is decided by the core's `parse_command`
+   (`accepted`, a pandas UDF: the one Python call per input), since Spark's JSON parser is laxer.
 2. `aggregate`: one aggregation per key group keeps the latest full publish or delete (a max over
    the history order, packed into one DECIMAL) and the deltas.
 3. `chains`: per group, the base and the deltas after it, cut at the last write whose predecessor
@@ -14,8 +15,8 @@ How it stays vectorized (no Python function per input record):
 5. SowKeys (the core's checksum, in Python) are computed once per surviving key, not per input.
 Deletes by SowKey(s) become the group's base when they are its latest. Deletes by filter need each
 record as it was at that moment, so key groups with any input before the last filter delete are
-folded by the reference fold (`history.SowFold`), one pandas call per group: the only per-record
-Python path, taken only for histories that contain filter deletes. Records nested deeper than
+folded by the reference fold (`SowFold`), one pandas call per group, taken only for histories
+that contain filter deletes. Records nested deeper than
 MERGE_LEVELS also merge in Python (per key, with the core's merge).
 """
 
@@ -28,7 +29,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from processor.contract import headers as H
-from processor.core.durations import _DURATION, _UNITS_MS
+from processor.core.durations import _DURATION, _UNITS_MS, MAX_DURATION_MS
 from processor.core.keys import _BASE64_CHARS, checksum_key
 from processor.topology import MessageType, SowTopic
 
@@ -156,14 +157,14 @@ def lifetime_expr(spec: SowTopic, raw: Column) -> tuple[Column, Column]:
     against the core in tests/integration/test_spark.py)."""
     from pyspark.sql import functions as F
 
-    pattern = "(?U)" + _DURATION.pattern
+    pattern = "(?d)" + _DURATION.pattern  # as re.ASCII; (?d): only \n ends a line, as for `$` in Python
     number = F.regexp_extract(raw, pattern, 1)
     unit = F.regexp_extract(raw, pattern, 2)
     unit_ms = F.lit(_UNITS_MS["s"]).cast("long")
     for name, size in _UNITS_MS.items():
         unit_ms = F.when(unit == name, F.lit(size).cast("long")).otherwise(unit_ms)
     exact_ms = number.try_cast("double") * unit_ms
-    header_ms = F.bround(exact_ms, 0).cast("long")
+    header_ms = F.when(exact_ms <= MAX_DURATION_MS, F.bround(exact_ms, 0).cast("long"))  # the core's limit (and no overflow)
     # As the core: a positive lifetime under half a millisecond is 1 ms, not 0 (never expires).
     header_ms = F.when((header_ms == 0) & (exact_ms > 0), F.lit(1).cast("long")).otherwise(header_ms)
     valid = raw.isNull() | (F.regexp_like(raw, F.lit(pattern)) & header_ms.isNotNull())
@@ -334,7 +335,7 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
         .when(header_key_set, F.when(key_ok, "keys"))
     )
     df = df.select(*ORDER, "topic", "value", "text", "headers", "grp0", "filter_raw", "keys_raw", "key_raw", kind.alias("kind"), life.alias("life"))
-    df = df.where(col("kind").isNotNull())
+    df = df.where(col("kind").isNotNull() & _accepted_udf(spec)("topic", "value", F.when(F.size("headers") > 0, col("headers"))))
     sow_keys = F.when(col("keys_raw").isNotNull(), keys_list).otherwise(F.array(header_key))
     return df.select(
         *ORDER,
@@ -483,6 +484,34 @@ def _series_udf(fn, return_type: str):
     return pandas_udf(batch, return_type)
 
 
+def accepted(spec: SowTopic, topics, values, headers) -> list[bool]:
+    """Whether the worker accepts each input (topic, value, Kafka headers as key/value dicts or
+    None): the core's `parse_command`, through the reference fold. Spark's JSON parser takes what
+    orjson refuses (trailing content, 1e400, nesting past MAX_NESTING, integers past 64 bits), so
+    the Spark expressions of `classify` only compute kinds, groups and lifetimes fast; this
+    decides what is rejected."""
+    from processor.contract.types import InputMessage
+    from processor.engine.fold import SowFold
+
+    fold = SowFold(spec)
+    return [
+        fold.parse(InputMessage(topic, 0, 0, None, value, None if hs is None else [(h["key"], h["value"]) for h in hs], 0)) is not None
+        for topic, value, hs in zip(topics, values, headers)
+    ]
+
+
+def _accepted_udf(spec: SowTopic):
+    """`accepted` as a pandas UDF of (topic, value, headers)."""
+    import pandas as pd
+    from pyspark.sql.functions import pandas_udf
+
+    def batch(topics, values, headers):
+        return pd.Series(accepted(spec, topics, values, headers))
+
+    batch.__annotations__ = {"topics": pd.Series, "values": pd.Series, "headers": pd.Series, "return": pd.Series}
+    return pandas_udf(batch, "boolean")
+
+
 def _sow_key_udf(spec: SowTopic):
     """SowKeys from key groups: the core's checksum over the key values the group spells."""
     import orjson
@@ -533,20 +562,9 @@ def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: in
     before any JSON is parsed, so this pass costs about one read of the topics."""
     from pyspark.sql import functions as F
 
-    from processor.core.filters import FilterError, compile_filter
-
-    rows = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
+    return classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
         *ORDER, "kind", "filter", "sow_keys", "topic", "value", "headers"
-    ).where(F.col("kind").isin("filter", "keys")).collect()
-    out = []
-    for row in rows:
-        if row["kind"] == "filter":
-            try:
-                compile_filter(row["filter"])
-            except FilterError:
-                continue  # the worker cannot apply it either
-        out.append(row)
-    return out
+    ).where(F.col("kind").isin("filter", "keys")).collect()  # a filter that does not parse was rejected by `accepted`
 
 
 def snapshot(

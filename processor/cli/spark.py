@@ -107,13 +107,17 @@ def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
 
 
 def _print_parquet(path: str) -> None:
-    """JSON lines from a snapshot's Parquet: the record text is copied as Spark wrote it."""
+    """JSON lines from a snapshot's Parquet: the record text is copied as Spark wrote it (as
+    published, for a record of one write), unless it spans lines (then it is written compact)."""
     import pyarrow.parquet as pq
 
     for batch in pq.read_table(path).to_batches():
         for row in batch.to_pylist():
             head = orjson.dumps({"sow_key": row["sow_key"], "expires_at": row["expires_at"], "updated_at": row["updated_at"]})
-            _write(head[:-1] + b',"record":' + row["record"].encode() + b"}")
+            record = row["record"].encode()
+            if b"\n" in record or b"\r" in record:
+                record = orjson.dumps(orjson.loads(record))
+            _write(head[:-1] + b',"record":' + record + b"}")
 
 
 @click.command()
@@ -129,6 +133,8 @@ def replay(bootstrap, topology, master, topic, start, end) -> None:
 
     first = _instant(start, "--from")
     last = _instant(end, "--to") if end else None
+    if last is not None and last < first:
+        raise click.ClickException(f"--to {end} ({last}) is before --from {start} ({first})")
     resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-replay")
     spec = _spec(topo, topic)
     try:
@@ -151,17 +157,21 @@ def sql(bootstrap, topology, master, query, out) -> None:
     session = spark()
     try:
         df = run_sql(session, resolved, topo, query)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    except Exception as exc:  # Spark's AnalysisException & co: show Spark's message, not a trace
-        if type(exc).__module__.startswith("pyspark"):
-            raise click.ClickException(str(exc).splitlines()[0]) from None
+        if out:
+            df.write.parquet(out)
+            return
+        for row in df.toLocalIterator():
+            _write(orjson.dumps(row.asDict(recursive=True), default=_json_default))
+    except Exception as exc:  # ours, or Spark's ParseException, AnalysisException & co: a message, not a trace
+        if isinstance(exc, ValueError) or type(exc).__module__.startswith("pyspark"):
+            raise click.ClickException(error_message(exc)) from None
         raise
-    if out:
-        df.write.parquet(out)
-        return
-    for row in df.toLocalIterator():
-        _write(orjson.dumps(row.asDict(recursive=True), default=_json_default))
+
+
+def error_message(exc: BaseException) -> str:
+    """The first non-blank line of an error: Spark's messages start with a newline (a
+    ParseException's first line is empty) and go on with the query and a plan."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def register(group: click.Group) -> None:

@@ -165,8 +165,7 @@ def test_replay_from_instant(spark, scripted):
     assert update5["diff"] == {"id": 5, "nested": {"a": {"b": {"d": 2}, "e": []}, "f": {}}}
     update4 = next(e for e in events if e["op"] == "update" and e["sow_key"] == k[4])
     assert update4["expires_at"] == T0 + 19000 and update4["record"] == {"id": 4, "v": 1, "w": 2}
-    seqs = [e["seq"] for e in events if e["op"] != "sow" and e["sow_key"] == k[2]]
-    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # event IDs increase per key
+    assert {e["seq"] for e in events} == {None}  # the workers' sow-seq is not in the inputs: no made-up IDs
 
 
 def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
@@ -200,7 +199,8 @@ def test_sql_aggregation_over_current_sow(spark, kafka_bootstrap, admin):
     assert [r.asDict() for r in rows] == [{"region": "eu", "n": 3, "qty": 26}, {"region": "us", "n": 1, "qty": 7}]
 
 
-LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "0.0004", "0.4ms", "3x", "", " ", "-1", "1e3", "10 s", "10S", None]
+LIFETIME_CASES = ["10s", " 10s ", "500ms", "1.5", "0", "0s", "2m", "1h", "1d", "1.0005s", "0.0005s", "0.0004", "0.4ms", "3x", "", " ", "-1", "1e3", "10 s", "10S", None,
+                  "36500d", "3153600000", "99999999d", "36500.5d", "3153600001", "1" + "0" * 400, "5\u00a0s", "\u0665s", "5s\u2028", "5s\n"]  # limit, ASCII only
 POLICIES = [
     dict(expiration=None),
     dict(expiration="enabled"),
@@ -320,6 +320,61 @@ def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
 
     table = pq.read_table(out).to_pylist()
     assert {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in table} == _as_sow(scripted, EXPECTED[20000])
+
+
+def _cli(topo_path, spec: SowTopic, bootstrap: str, *args: str):
+    from click.testing import CliRunner
+
+    from processor.cli.spark import main
+
+    topo_path.write_text(json.dumps({"sow": [{"topic": spec.topic, "timestamps": "publisher", "key": spec.key, "expiration": "enabled", "partitions": spec.partitions}]}))
+    return CliRunner().invoke(main, [*args, "--bootstrap", bootstrap, "--topology", str(topo_path), "--master", "local[2]"])
+
+
+def test_rejected_inputs_change_nothing_in_snapshot_and_replay(spark, kafka_bootstrap, admin, tmp_path):
+    """Inputs the worker rejects (that Spark's JSON parser or the lifetime expression would take)
+    are left out of the snapshot, `--filter` and `replay` included: no crash, no raw bad text."""
+    spec = SowTopic(timestamps="publisher", topic=f"t_spark_rej_{int(time.time() * 1000) % 10**9}", key=["/order_id"], expiration="enabled", partitions=2)
+    _create(admin, spec)
+    deep = b'{"order_id": 2, "n": ' + b'{"n": ' * 299 + b"1" + b"}" * 300  # 300 levels
+    inputs = [
+        ("", b'{"order_id": 1, "v": 1}', None),
+        ("", b'{"order_id": 1e400}', None),
+        ("", b'{"order_id": 129}  trailing', None),
+        ("", deep, None),
+        ("", b'{"order_id": 3, "big": 123456789012345678901234567890}', None),
+        ("", b'{"order_id": 123456789012345678901234567890}', None),
+        (".delta", b'{"order_id": 1, "v": 1e400}', None),
+        *(("", b'{"order_id": 4}', [("sow-expiration", e)]) for e in (b"99999999d", b"36500.5d", b"3153600001")),
+        ("", b'{"order_id": 5}', [("sow-expiration", b"36500d")]),  # the limit itself is fine
+    ]
+    producer = make_producer(kafka_bootstrap)
+    for n, (suffix, value, headers) in enumerate(inputs):
+        producer.produce(spec.topic + suffix, value, b"k", headers=headers, timestamp=T0 + n)
+    producer.produce(spec.delta_topic, b'{"order_id": 1, "w": 2}', b"k", timestamp=T0 + 100)
+    assert producer.flush(30) == 0
+    k1, k5 = spec.key_spec.sow_key({"order_id": 1}), spec.key_spec.sow_key({"order_id": 5})
+    want = {k1: {"order_id": 1, "v": 1}, k5: {"order_id": 5}}
+
+    result = _cli(tmp_path / "topo.yaml", spec, kafka_bootstrap, "snapshot", spec.topic, "--as-of", str(T0 + 50), "--filter", "/order_id > 0")
+    assert result.exit_code == 0, result.output
+    assert {x["sow_key"]: x["record"] for x in map(json.loads, result.stdout.splitlines())} == want
+
+    result = _cli(tmp_path / "topo.yaml", spec, kafka_bootstrap, "replay", spec.topic, "--from", str(T0 + 50))
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(e["op"], e["sow_key"], e["seq"]) for e in events if e["op"] != "sow"] == [("update", k1, None)]
+    assert {e["sow_key"]: e["record"] for e in events if e["op"] == "sow"} == want
+
+
+def test_cli_sql_syntax_error_says_what_is_wrong(spark, kafka_bootstrap, admin, tmp_path):
+    from processor.kafka.clients import topic_configs
+
+    spec = SowTopic(timestamps="publisher", topic=f"t_spark_sqlerr_{int(time.time() * 1000) % 10**9}", key=["/id"], partitions=2, expiration="enabled")
+    ensure_topics(admin, {spec.sow_topic: topic_configs(spec)[spec.sow_topic]})
+    result = _cli(tmp_path / "topo.yaml", spec, kafka_bootstrap, "sql", f"SELEC * FROM {spec.topic}")
+    assert result.exit_code == 1
+    assert "Error: [PARSE_SYNTAX_ERROR] Syntax error at or near 'SELEC'" in result.output, result.output
 
 
 def test_fold_history_is_order_independent(scripted):
