@@ -1,6 +1,6 @@
 """Ingest benchmark (issue 2): the worker end to end against a plain consume-merge-produce loop.
 
-    python bench/ingest.py [-n 200000] [-k 20000] [--deltas 0.3] [--runs 1]
+    python bench/ingest.py [-n 200000] [-k 20000] [--deltas 0.3] [--runs 1] [--workers 1]
 
 Each run publishes N records over K keys (a share of them delta publishes to `<topic>.delta`,
 carrying the id and 1-2 changed fields) to a fresh SOW topic (key [/id], 4 partitions,
@@ -48,7 +48,7 @@ import orjson  # noqa: E402
 
 from bench.common import (  # noqa: E402
     REPO, OrderedInputs, add_workload_arguments, count_messages, cpu_seconds, create_topics, delete_topics, first_last_timestamps,
-    kafka_bootstrap, log, median, peak_rss_mb, print_table, publish, ratio, unique_name, wait_for_count,
+    kafka_bootstrap, log, median, peak_rss_mb, print_table, publish, ratio, tree_cpu_seconds, unique_name, wait_for_count,
 )
 from processor.core.keys import checksum_key  # noqa: E402
 from processor.kafka.clients import topic_configs
@@ -119,8 +119,10 @@ def output_topics(prefix: str, partitions: int = PARTITIONS) -> dict[str, tuple[
 
 
 # the worker ------------------------------------------------------------------------------------
-def worker_command(bootstrap: str, topology: Path, group: str, data_dir: Path, profile: str | None, wrapper: str | None = None) -> list[str]:
-    args = ["up", "--bootstrap", bootstrap, "--topology", str(topology), "--group", group, "--data-dir", str(data_dir)]
+def worker_command(bootstrap: str, topology: Path, group: str, data_dir: Path, profile: str | None, wrapper: str | None = None,
+                   workers: int = 1) -> list[str]:
+    args = ["up", "--bootstrap", bootstrap, "--topology", str(topology), "--group", group, "--data-dir", str(data_dir),
+            *(["--workers", str(workers)] if workers > 1 else [])]
     python = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
     if wrapper:  # experiments: a script that patches the worker, then runs processor.cli.main()
         return [*python, wrapper, *args]
@@ -141,9 +143,10 @@ def stop(process: subprocess.Popen, grace: float = 60.0) -> None:
             process.wait()
 
 
-def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, profile: str | None, wrapper: str | None = None) -> dict:
+def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, profile: str | None, wrapper: str | None = None,
+               workers: int = 1) -> dict:
     log_path = tmp / "worker.log"
-    command = worker_command(bootstrap, topology, unique_name("ksow-bench"), tmp / "data", profile, wrapper)
+    command = worker_command(bootstrap, topology, unique_name("ksow-bench"), tmp / "data", profile, wrapper, workers)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     began = time.time()
     with open(log_path, "wb") as out:
@@ -152,9 +155,9 @@ def run_worker(bootstrap: str, topic: str, topology: Path, tmp: Path, n: int, pr
 
     def sample(count: int) -> None:  # CPU time of the worker when the first and the N-th diff appear
         if count and "first" not in cpu:
-            cpu["first"], cpu["first_count"] = cpu_seconds(process.pid), count
+            cpu["first"], cpu["first_count"] = tree_cpu_seconds(process.pid), count
         if count >= n:
-            cpu["last"] = cpu_seconds(process.pid)
+            cpu["last"] = tree_cpu_seconds(process.pid)
 
     try:
         wait_for_count(bootstrap, f"{topic}.diff", PARTITIONS, n, timeout=max(300.0, n / 500),
@@ -295,7 +298,7 @@ def one_run(bootstrap: str, args) -> dict:
         log(f"{topic}: published {count} inputs in {seconds:.1f}s ({count / seconds:,.0f}/s)")
         result: dict = {}
         if not args.limit_only:
-            result["worker"] = run_worker(bootstrap, topic, topology, tmp, args.n, args.profile, args.worker_wrapper)
+            result["worker"] = run_worker(bootstrap, topic, topology, tmp, args.n, args.profile, args.worker_wrapper, args.workers)
             w = result["worker"]
             log(f"  worker: {w['rate_steady']:,.0f} rec/s steady, {w['rate_total']:,.0f} incl. startup ({w['startup_s']:.1f}s)")
         if not args.worker_only:
@@ -316,6 +319,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="run the worker under cProfile, writing this file")
     parser.add_argument("--worker-wrapper", default=None, help="experiments: run `python SCRIPT up ...` instead of ksow")
     parser.add_argument("--keep-topics", action="store_true")
+    parser.add_argument("--workers", type=int, default=1, help="ksow up --workers N (N processes in one group; the limit loop stays one)")
     parser.add_argument("--limit-run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
