@@ -96,8 +96,14 @@ class _Converters:
                     by_type.setdefault(t, []).append((self._resolve(branch), fn))
         if not by_type:
             return None
-        if not self.reading and str in by_type and any(self._resolve(b) == "string" for b in branches):
-            del by_type[str]  # a string stays a string where the union has a string branch
+        if not self.reading:  # a value a plain branch takes as it is stays as it is: 5 in ["long", decimal] is a long
+            for branch in branches:
+                kind = self._resolve(branch)
+                kind = kind if isinstance(kind, str) else None if kind.get("logicalType") else kind.get("type")
+                for t in _NATIVE.get(kind, ()):
+                    by_type.pop(t, None)
+            if not by_type:
+                return None
 
         def union(v: Any) -> Any:
             candidates = by_type.get(type(v))
@@ -121,6 +127,9 @@ class _Converters:
         if kind in ("float", "double") and self.reading:
             return _finite(at)
         return None
+
+
+_NATIVE = {"string": (str,), "int": (int,), "long": (int,), "float": (float, int), "double": (float, int)}  # what fastavro writes as is
 
 
 def _python_types(schema: Any, reading: bool) -> tuple[type, ...]:

@@ -207,3 +207,16 @@ def test_an_avro_delta_on_no_record_stores_what_sow_carries(tmp_path):
     stored = proc.stores[0].get(spec.key_spec.sow_key(delta)).data
     assert stored == AvroCodec(SCHEMA).decode(out[0].value) == delta
     assert orjson.loads(out[1].value) == delta
+
+
+def test_a_union_writes_a_plain_value_to_its_plain_branch(tmp_path):
+    """A number in a union of a long and a decimal stays a long, a string in a union of a string and
+    bytes stays a string: only values no plain branch takes are converted."""
+    schema = {"type": "record", "name": "U", "fields": [{"name": "id", "type": "long"},
+              {"name": "n", "type": ["null", "long", {"type": "bytes", "logicalType": "decimal", "precision": 9, "scale": 2}]},
+              {"name": "s", "type": ["null", "string", "bytes"]}]}
+    path = tmp_path / "u.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    codec = AvroCodec(path)
+    assert codec.decode(codec.encode({"id": 1, "n": 5, "s": "x"})) == {"id": 1, "n": 5, "s": "x"}
+    assert codec.decode(codec.encode({"id": 1, "n": "5.25", "s": None})) == {"id": 1, "n": "5.25", "s": None}
