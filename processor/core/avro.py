@@ -27,10 +27,7 @@ def without_logical_types(schema: Any) -> Any:
         return [without_logical_types(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: without_logical_types(v) for k, v in schema.items() if k != "logicalType"}
-    if "fields" in schema:
-        out["fields"] = [{**f, "type": without_logical_types(f["type"])} for f in schema["fields"]]
-    return out
+    return {k: without_logical_types(v) for k, v in schema.items() if k != "logicalType"}  # fields, items, values, unions
 
 
 class _Converters:

@@ -135,15 +135,16 @@ class SowPartition:
         assert key is not None
         state = self.state
         stored = self.stored
+        at = published if published < now else now  # when it came: what had expired by then is gone for it
         before = state.get(key) if stored else None
         if before is not None:
-            if self.expiring and is_due(before.expires_at, published if published < now else now):
+            if self.expiring and is_due(before.expires_at, at):
                 # Its instant passed before this write came: it expired first, and the write starts anew.
                 state.remove(key)
                 self._removed(_EXPIRE, key, before, now, out)
                 before = None
         if before is None and self.capacity and stored:
-            self._make_room(published if published < now else now, now, out)
+            self._make_room(at, now, out)
         t = apply_write(key, before, cmd, self.policy, self.key_paths, published, self.next_seq(now))
         if out is not None:  # else the caller keeps transitions, not messages (the reference fold)
             # Refused (InputError, nothing emitted) when the record or its diff is over the size a

@@ -223,22 +223,25 @@ def order_and_cut(rows: list, query: SowQuery, data_of) -> list:
     ordering = query.ordering
     if ordering is not None:
         parts, descending = ordering
-
-        def sort_key(row):
+        present, absent = [], []  # (sort key, row) once each: a key reads the field and may parse a number
+        for row in rows:
             value = get_path(data_of(row), parts)
-            missing = value is MISSING or value is None
-            return (missing, _sortable(value) if not missing else (0, ""))
-
-        present = [r for r in rows if not sort_key(r)[0]]
-        absent = [r for r in rows if sort_key(r)[0]]
+            if value is MISSING or value is None:
+                absent.append(row)
+            else:
+                present.append((_sortable(value), row))
         if query.top is not None and not descending:
-            present = heapq.nsmallest(query.top, present, key=lambda r: sort_key(r)[1])
+            present = heapq.nsmallest(query.top, present, key=_first)
         else:
-            present.sort(key=lambda r: sort_key(r)[1], reverse=descending)
-        rows = present + absent
+            present.sort(key=_first, reverse=descending)
+        rows = [row for _, row in present] + absent
     if query.top is not None:
         rows = rows[: query.top]
     return rows
+
+
+def _first(pair: tuple) -> Any:
+    return pair[0]
 
 
 def _sortable(value: Any) -> tuple[int, Any]:
