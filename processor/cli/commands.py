@@ -405,16 +405,15 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @click.option("--select", default=None, help="Comma-separated field paths.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
-@click.option("--after-seq", type=int, default=None, help="Resume after this event ID (sow-seq) instead of starting with the SOW.")
+@click.option("--after", "--after-seq", "after_seq", default=None,
+              help="Resume after this bookmark (the \"bookmark\" of the last event taken: an event ID per partition) instead of starting with the SOW.")
 @GROUP
 def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
     if no_empties and not delta:
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
     if after_seq is not None and sow:
-        _fail("--after-seq resumes after an event ID instead of starting with the SOW: drop --sow")
-    if after_seq is not None and after_seq < 0:
-        _fail(f"--after-seq is an event ID (sow-seq), never negative; got {after_seq}")
+        _fail("--after resumes after a bookmark instead of starting with the SOW: drop --sow")
     if timeout is not None and timeout < 0:
         _fail(f"--timeout is seconds without events, never negative; got {timeout:g}")
     client = _client(bootstrap, topology)

@@ -24,6 +24,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from processor.contract.errors import InputError
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
+from processor.core.bookmarks import Bookmark, BookmarkError, before, partition_of
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
@@ -295,9 +296,10 @@ class Client:
             log.warning("skipped malformed record %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
             return None
 
-    def _snapshot(self, spec: SowTopic, after_seq: int | None = None) -> tuple[dict, dict[int, int], Any, list[tuple]]:
-        """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer, and
-        (with `after_seq`) the last change of every record whose event ID is above it, in order.
+    def _snapshot(self, spec: SowTopic, after: Bookmark | None = None) -> tuple[dict, dict[int, int], Any, list[tuple], Bookmark]:
+        """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer,
+        (with `after`) the last change of every record that came after that bookmark, in order of
+        event ID, and the bookmark of everything read (the position the live stream starts at).
 
         Records past their instant are left out (see `_decode_change`), swept or not."""
         consumer = make_consumer(self.bootstrap)
@@ -307,9 +309,10 @@ class Client:
         except ClientError:
             consumer.close()
             raise
+        read = Bookmark.start(spec.partitions)
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
         if topic != spec.sow_topic:  # a transient topic keeps no SOW: nothing to read before the live stream
-            return {}, ends, consumer, []
+            return {}, ends, consumer, [], read
         consumer.assign([TopicPartition(topic, p, 0) for p in range(spec.partitions)])
         state: dict[str, tuple[Any, ...]] = {}
         since: dict[str, tuple] = {}
@@ -319,12 +322,15 @@ class Client:
             if parsed is None:
                 continue
             change = _apply_change(state, parsed, spec.expiry)
-            if after_seq is not None and change[2] is not None and change[2] > after_seq:
-                since[change[1]] = change
+            seq = change[2]
+            if seq is not None and partition_of(seq) == msg.partition():
+                read.advance(seq)
+                if after is not None and after.is_new(seq):
+                    since[change[1]] = change
         now = _now_ms()
         for key in [k for k, (_, _, expires) in state.items() if not spec.expiry.is_live(expires, now)]:
             del state[key]
-        return state, ends, consumer, sorted(since.values(), key=lambda c: c[2])
+        return state, ends, consumer, sorted(since.values(), key=lambda c: c[2]), read
 
     def query(
         self,
@@ -397,7 +403,7 @@ class Client:
 
     def _query_changelog(self, spec: SowTopic, query: SowQuery) -> list[dict]:
         sub = self._subscription_spec(spec, query.filter)
-        state, _, consumer, _ = self._snapshot(spec)
+        state, _, consumer, _, _ = self._snapshot(spec)
         consumer.close()
         wanted = set(query.keys) if query.keys else None
         select = selection(query, spec.key_spec.split)
@@ -434,31 +440,51 @@ class Client:
         select: list[str] | None = None,
         conflation: str | int | None = None,
         timeout: float | None = None,
-        after_seq: int | None = None,
+        after: str | int | None = None,
+        after_seq: str | int | None = None,
     ) -> Iterator[dict]:
         """sow_and_subscribe (or with sow=False just subscribe); with delta=True, deltas after the SOW.
 
-        Yields event dicts: {"op", "sow_key", "seq", "expires_at", "record"} (op "sow" for the snapshot,
-        "oof" with a "reason" when a record leaves the subscription). Stops after `timeout` seconds of
-        no messages, if given. `after_seq` resumes after an event ID (see subscribe_many).
+        Yields event dicts: {"op", "sow_key", "seq", "expires_at", "record", "bookmark"} (op "sow" for
+        the snapshot, "oof" with a "reason" when a record leaves the subscription; "bookmark" is where
+        to resume after this event). Stops after `timeout` seconds of no messages, if given. `after`
+        (or its old name `after_seq`) resumes after a bookmark (see subscribe_many).
         """
         options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation)
-        return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout, after_seq=after_seq))
+        return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout, after=after if after is not None else after_seq))
 
     def subscribe_many(
-        self, topic: str, subscriptions: list[dict], *, sow: bool = True, timeout: float | None = None, after_seq: int | None = None
+        self, topic: str, subscriptions: list[dict], *, sow: bool = True, timeout: float | None = None,
+        after: str | int | None = None, after_seq: str | int | None = None,
     ) -> Iterator[tuple[int, dict]]:
         """Several subscriptions to one topic over one consumer and one copy of the SOW state.
 
         Each entry of `subscriptions` takes the keyword options of `subscribe` (filter, delta, oof,
         no_empties, no_sowkey, select, conflation). Yields (index of the subscription, event).
-        With `after_seq` (an event ID a subscriber saw last), instead of the snapshot: the current
-        version of every record changed after it (full records, oldest change first) and the
-        records removed after it (op of the removal, record null), then the live stream.
+
+        Every event carries a "bookmark" (processor.core.bookmarks): one event ID per partition,
+        how far this subscription got in each. With `after` (the bookmark of the last event a
+        subscriber took), instead of the snapshot: the current version of every record changed
+        after it (full records, oldest change first; with oof, an oof event for one that no longer
+        matches, as it may have left the subscription meanwhile) and the records removed after it
+        (op of the removal, record null), then the live stream. An event ID alone is a bookmark of
+        its own partition only: the other partitions' records then come again, as changed since
+        their start (a warning says so).
         """
+        if after is None:
+            after = after_seq
         view = topic
         topic = self._through_view(view, None, None)[0]
         spec = self.spec(topic)
+        bookmark = None
+        if after is not None:
+            try:
+                bookmark, missing = Bookmark.parse(after, spec.partitions)
+            except BookmarkError as exc:
+                raise ClientError(str(exc)) from None
+            if missing:
+                log.warning("the bookmark names no event ID of partition(s) %s of %s: their records come again, as changed since "
+                            "their start (resume with the bookmark of the last event, not its event ID)", ", ".join(map(str, missing)), topic)
         feeds = []
         for options in subscriptions:
             options = dict(options)
@@ -467,24 +493,35 @@ class Client:
             sub = self._subscription_spec(spec, options.pop("filter", None), **options)
             feeds.append(_Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0))
         # The snapshot is taken now, not at the first next(): the subscription starts at this call.
-        state, ends, consumer, since = self._snapshot(spec, after_seq)
-        return self._events(spec, feeds, state, ends, consumer, sow and after_seq is None, timeout, since)
+        state, ends, consumer, since, read = self._snapshot(spec, bookmark)
+        return self._events(spec, feeds, state, ends, consumer, sow and bookmark is None, timeout, since, read, bookmark)
 
-    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout, since=()) -> Iterator[tuple[int, dict]]:
+    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout, since, read: Bookmark,
+                after: Bookmark | None) -> Iterator[tuple[int, dict]]:
         codec = self.codec(spec)
         try:
-            for op, key, seq, _, after, expires in since:
-                for i, feed in enumerate(feeds):
-                    if after is None:
-                        yield i, feed.sub.event(op.value, key, seq, None)
-                    elif (event := feed.sub.change(op, key, seq, None, after, expires)) is not None:
-                        yield i, event
-            if sow:
-                for key, (record, seq, expires) in state.items():
+            if after is not None:
+                at = after.copy()
+                for op, key, seq, _, record, expires in since:
+                    at.advance(seq)
+                    for i, feed in enumerate(feeds):
+                        event = feed.sub.resumed(op, key, seq, record, expires)
+                        if event is not None:
+                            event["bookmark"] = str(at)
+                            yield i, event
+            if sow:  # oldest change first, so that each event's bookmark covers what came before it
+                at = Bookmark.start(spec.partitions)
+                for key, (record, seq, expires) in sorted(state.items(), key=_by_seq):
+                    if seq is not None:
+                        at.advance(seq)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.snapshot(key, seq, record, expires)
                         if event is not None:
+                            event["bookmark"] = str(at)
                             yield i, event
+            position = read
+            for seq in after.positions if after is not None else ():
+                position.advance(seq)
             consumer.assign([TopicPartition(_live_topic(spec), p, ends[p]) for p in ends])
             stored = spec.persistence is not Persistence.TRANSIENT
             idle_since = time.monotonic()
@@ -504,27 +541,62 @@ class Client:
                         continue
                     # A transient topic's messages come whole, each as if new (a delta subscriber too).
                     change = _apply_change(state if stored else {}, parsed, spec.expiry)
+                    seq = change[2]
+                    if seq is not None and partition_of(seq) == msg.partition():
+                        position.advance(seq)
                     for i, feed in enumerate(feeds):
                         event = feed.sub.change(*change)
                         if event is None:
                             continue
                         if feed.interval:
                             key = change[1]
-                            feed.pending[key] = conflate_event(feed.pending.get(key), event, feed.sub.delta)
+                            held = conflate_event(feed.pending.get(key), event, feed.sub.delta)
+                            if held is None:  # in and out within the interval: the subscriber never had it
+                                del feed.pending[key]
+                            else:
+                                feed.pending[key] = held
                         else:
+                            event["bookmark"] = str(position)
                             yield i, event
                 idle = timeout is not None and now - idle_since > timeout
                 for i, feed in enumerate(feeds):
                     if feed.pending and (idle or now >= feed.flush_at):
-                        for event in feed.pending.values():
+                        for event in _released(feed.pending, position):
                             yield i, event
-                        feed.pending.clear()
                     if feed.interval and now >= feed.flush_at:
                         feed.flush_at = now + feed.interval
                 if idle:
                     return
         finally:
             consumer.close()
+
+
+def _by_seq(item: tuple) -> int:
+    return item[1][1] or 0
+
+
+def _released(pending: dict, position: Bookmark) -> Iterator[dict]:
+    """A conflation interval's events, oldest change first (and `pending` emptied), each with a
+    bookmark that stops short of the events of its partition still to come after it: a subscriber
+    that stops in the middle resumes with the rest."""
+    events = sorted(pending.values(), key=lambda e: e.get("seq") or 0)
+    pending.clear()
+    to_come: list[dict[int, int]] = []
+    upcoming: dict[int, int] = {}  # partition -> event ID of its next event still to come
+    for event in reversed(events):
+        to_come.append(dict(upcoming))
+        seq = event.get("seq")
+        if seq is not None:
+            upcoming[partition_of(seq)] = seq
+    for event, later in zip(events, reversed(to_come)):
+        at = position
+        if later:
+            at = position.copy()
+            for p, seq in later.items():
+                if before(seq) < at.positions[p]:
+                    at.positions[p] = before(seq)
+        event["bookmark"] = str(at)
+        yield event
 
 
 def _check_finite(value: Any, path: str = "") -> None:

@@ -14,6 +14,7 @@ from processor.core.merge import diff, has_data_changes, merge
 from processor.core.paths import project, split_path
 
 Predicate = Callable[[dict], bool]
+_INSERT = Op.INSERT.value
 
 
 def _match_all(record: dict) -> bool:
@@ -62,13 +63,26 @@ class SubscriptionSpec:
             return None
         return self.event("sow", key, seq, self.shape(record), expires_at)
 
+    def resumed(self, op: Op, key: str, seq: int | None, record: dict | None, expires_at: int | None = None) -> dict | None:
+        """The event for a record's last change after a resume's bookmark: its current version
+        whole, with the SOW's op (whether the subscriber had it is not known); a removal, with no
+        record; with oof, an oof for one that does not match now (it may have left meanwhile)."""
+        if record is None:
+            return self.event(op.value, key, seq, None)
+        if self.matches(record):
+            return self.event(op.value, key, seq, self.shape(record), expires_at)
+        if self.oof:
+            return self.event(Op.OOF.value, key, seq, self.shape(record), expires_at, reason="no_match")
+        return None
+
     def change(self, op: Op, key: str, seq: int | None, before: dict | None, after: dict | None, expires_at: int | None = None) -> dict | None:
         """The event for one change of the SOW, or None when this subscriber gets nothing."""
         was, now = self.matches(before), self.matches(after)
         if now:
             assert after is not None
             if not self.delta or before is None or (not was and self.oof):
-                return self.event(op.value, key, seq, self.shape(after), expires_at)
+                # A record new to this subscriber is an insert to it, whatever it was to the SOW.
+                return self.event(op.value if was else _INSERT, key, seq, self.shape(after), expires_at)
             delta = diff(before, after, self.key_paths)
             shaped = self.shape(delta)
             if self.no_empties and not has_data_changes(shaped, self.key_paths):
@@ -90,16 +104,19 @@ def conflate(pending: dict | None, delta: dict) -> dict:
 _GONE = ("oof", "delete", "expire", "evict")
 
 
-def conflate_event(pending: dict | None, event: dict, delta: bool) -> dict:
-    """The one event a conflation interval sends for a record, after `event` came: deltas merge; a
-    full record, or anything else, replaces what was waiting (the record as it is then, not a merge
-    of its versions: a field a publish removed stays removed). A record inserted within the
-    interval stays an insert."""
+def conflate_event(pending: dict | None, event: dict, delta: bool) -> dict | None:
+    """The one event a conflation interval sends for a record, after `event` came (None: none):
+    deltas merge; a full record, or anything else, replaces what was waiting (the record as it is
+    then, not a merge of its versions: a field a publish removed stays removed). A record inserted
+    within the interval stays an insert, and one that also left within it is never told: the
+    subscriber never had it, so an oof or a removal would speak of a record it does not know."""
+    if pending is not None and pending["op"] == _INSERT and event["op"] in _GONE:
+        return None
     if pending is None or event["op"] in _GONE or pending["op"] in _GONE:
         return event
     merged = dict(event)
     if delta:
         merged["record"] = conflate(pending["record"], event["record"])
-    if pending["op"] == "insert":
-        merged["op"] = "insert"
+    if pending["op"] == _INSERT:
+        merged["op"] = _INSERT
     return merged

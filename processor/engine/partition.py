@@ -18,6 +18,7 @@ from processor.contract.errors import InputError
 from processor.contract.limits import delete_chunk, max_record_bytes
 from processor.contract import headers as H
 from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
+from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.codec import Codec
 from processor.core.expiry import is_due
 from processor.core.filters import compile_filter
@@ -27,7 +28,6 @@ from processor.engine.outputs import Send, Streams, render, render_removal, send
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 _SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: a member looked up on its Enum class costs ~8x more
-SEQ_PARTITION_BITS = 10  # sow-seq = counter << 10 | partition: unique in the topic, up to 1024 partitions
 
 
 def checkpoint(out: list | None) -> None:

@@ -16,12 +16,13 @@ from typing import Iterable
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, InputError
 from processor.contract.types import Command, InputMessage, Output, SowRecord
+from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec, codec_for
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
-from processor.engine.partition import SEQ_PARTITION_BITS, PartitionState, SowPartition
+from processor.engine.partition import PartitionState, SowPartition
 from processor.engine.views import ViewProcessor, views_of
 from processor.state.base import IndexSpec
 from processor.topology import SowTopic, View

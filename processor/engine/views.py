@@ -27,6 +27,7 @@ from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.core.sow import Transition
 from processor.topology import SowTopic, View
 
+_INSERT = Op.INSERT.value.encode()
 
 
 @dataclass
@@ -82,8 +83,9 @@ class ViewProcessor:
             base.append((H.EXPIRES_AT, b"%d" % expires))
         if t.op is Op.EXPIRE:  # as on the SOW topic's own expire events
             base.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
-        if now_in:
-            out.append(Output(self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, t.op.value.encode())]))
+        if now_in:  # a record new to the view is an insert to it, whatever it was to the SOW
+            op_name = t.op.value.encode() if was else _INSERT
+            out.append(Output(self.sow_topic, p, key, orjson.dumps(self.sub.shape(after)), base + [(H.OP, op_name)]))
         elif was:
             op = t.op if t.op.removes else Op.OOF
             out.append(Output(self.sow_topic, p, key, None, base + [(H.OP, op.value.encode())]))
@@ -105,6 +107,10 @@ class ViewProcessor:
             held = waiting[key] = _Pending(now + self.conflation_ms, event, headers)
         else:
             merged = conflate_event(held.event, event, True)
+            if merged is None:  # in and out of the view within the interval: nothing to tell
+                del waiting[key]
+                out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), None, []))
+                return
             if merged["op"] != event["op"]:
                 headers = [(k, v) for k, v in headers if k != H.OP] + [(H.OP, merged["op"].encode())]
             held.event, held.headers = merged, headers

@@ -88,4 +88,22 @@ def test_conflation_merges_deltas_and_keeps_the_last_full_record():
     assert conflate_event(first, last, delta=False) == {"op": "insert", "record": {"id": 1, "status": "done", "m": {"b": 2}}}
     assert conflate_event(first, last, delta=True)["record"] == {"id": 1, "status": "done", "note": "rush", "m": {"a": 1, "b": 2}}
     gone = {"op": "delete", "record": {"id": 1}}
-    assert conflate_event(first, gone, delta=True) is gone and conflate_event(gone, last, delta=False) is last
+    assert conflate_event(last, gone, delta=True) is gone and conflate_event(gone, last, delta=False) is last
+
+
+def test_a_record_in_and_out_within_one_interval_is_never_told():
+    """Audit: a record that came into a conflated subscription and left it within one interval gave
+    an oof for a record the subscriber never had. It now gives nothing (the oof or removal cancels
+    the insert that was waiting); one the subscriber had still gets its oof."""
+    from processor.core.subscription import conflate_event
+
+    sub = SubscriptionSpec(filter=lambda r: r["region"] == "EU", oof=True, key_paths=(("id",),))
+    came = sub.change(Op.UPDATE, "k", 1, {"id": 1, "region": "US"}, {"id": 1, "region": "EU"})
+    left = sub.change(Op.UPDATE, "k", 2, {"id": 1, "region": "EU"}, {"id": 1, "region": "US"})
+    assert came["op"] == "insert"  # new to this subscriber, though an update to the SOW
+    assert left["op"] == "oof" and left["reason"] == "no_match"
+    assert conflate_event(came, left, delta=False) is None
+    deleted = sub.change(Op.DELETE, "k", 3, {"id": 1, "region": "EU"}, None)
+    assert conflate_event(came, deleted, delta=True) is None
+    had = sub.change(Op.UPDATE, "k", 1, {"id": 1, "region": "EU", "q": 1}, {"id": 1, "region": "EU", "q": 2})
+    assert had["op"] == "update" and conflate_event(had, left, delta=False) is left

@@ -379,6 +379,27 @@ def test_a_view_tells_when_its_records_expired_as_the_topic_does(tmp_path):
         assert hdr(out[topic][0], "sow-op") in (b"expire", b"oof") and hdr(out[topic][0], "sow-actual-expiry") == b"11050", topic
 
 
+def test_a_record_new_to_a_view_is_an_insert_and_one_in_and_out_within_its_interval_is_not_told(tmp_path):
+    """Audit: a record that an update brought into a view came as `update` on `<view>.sow` and
+    `.diff` (a key the view never had); and one that came in and left within a conflation
+    interval gave an oof for a record the view's readers were never told of."""
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}],
+                               "views": [{"name": "eu", "topic": "orders", "filter": "/r = 'EU'", "options": ["oof"]},
+                                         {"name": "eu_conf", "topic": "orders", "filter": "/r = 'EU'", "options": ["oof"], "conflation": "2s"}]})
+    proc = LocalTopic(topology.topic("orders"), tmp_path, views=topology.views_of("orders"))
+    run(proc, [msg(proc, {"id": 1, "r": "US"}, ts=1_000, partition=0)], now=1_000)
+    came = by_topic(run(proc, [msg(proc, {"id": 1, "r": "EU"}, ts=1_100, partition=0, offset=1)], now=1_100))
+    assert hdr(came["orders.sow"][0], "sow-op") == b"update"
+    assert hdr(came["eu.sow"][0], "sow-op") == b"insert" and hdr(came["eu.diff"][0], "sow-op") == b"insert"
+    left = by_topic(run(proc, [msg(proc, {"id": 1, "r": "US"}, ts=1_200, partition=0, offset=2)], now=1_200))
+    assert hdr(left["eu.diff"][0], "sow-op") == b"oof"
+    assert "eu_conf.diff" not in came and "eu_conf.diff" not in left
+    assert left["orders.holds"][-1].value is None  # the held insert is dropped, not sent
+    released: list = []
+    proc.engine.release_views(0, 10_000, released)
+    assert not [o for o in released if o.topic == "eu_conf.diff"]
+
+
 def test_a_view_with_no_sowkey_leaves_the_sow_key_header_off_its_messages(tmp_path):
     """Seed 001's no_sowkey: the view's messages keep the SowKey as their Kafka key (compaction
     needs it) but not as a header; without the option they carry both."""
