@@ -44,6 +44,14 @@ class MessageType(str, Enum):
     AVRO = "avro"
 
 
+def _no_boolean(value: Any) -> Any:
+    """A YAML boolean (true/false, on/off, yes/no) where a number or a duration goes: pydantic would
+    take it as 1 or 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a YAML boolean (true/false, on/off, yes/no), not a number or a duration")
+    return value
+
+
 def _duration_or_none(value: Any) -> int | None:
     if value is None:
         return None
@@ -98,6 +106,20 @@ class SowTopic(BaseModel):
                 raise ValueError("an index needs at least one field path")
             _check_paths(index)
         return value
+
+    @field_validator("expiration", mode="before")
+    @classmethod
+    def _expiration_switch(cls, value: Any) -> Any:
+        """YAML reads `on`, `yes`, `true` (and `off`, `no`, `false`) as booleans, which would pass
+        for the numbers 1 and 0 (a 1-second lifetime for every record): they mean enabled, disabled."""
+        if isinstance(value, bool):
+            return "enabled" if value else "disabled"
+        return value
+
+    @field_validator("min_expiration", "max_expiration", "capacity", "partitions", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        return _no_boolean(value)
 
     @field_validator("expiration")
     @classmethod
@@ -231,6 +253,11 @@ class View(BaseModel):
     options: list[str] = Field(default_factory=list)
     conflation: str | int | float | None = None
 
+    @field_validator("conflation", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        return _no_boolean(value)
+
     @field_validator("select")
     @classmethod
     def _select(cls, value: list[str]) -> list[str]:
@@ -276,6 +303,11 @@ class Topology(BaseModel):
     # KSOW_REPLICATION_FACTOR / KSOW_MIN_INSYNC_REPLICAS override them (processor.kafka.clients).
     replication_factor: int | None = Field(default=None, ge=1)
     min_insync_replicas: int | None = Field(default=None, ge=1)
+
+    @field_validator("replication_factor", "min_insync_replicas", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        return _no_boolean(value)
 
     @model_validator(mode="after")
     def _references(self) -> "Topology":

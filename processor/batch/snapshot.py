@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from processor.contract import headers as H
 from processor.core.durations import _DURATION, _UNITS_MS, MAX_DURATION_MS
-from processor.core.keys import _BASE64_CHARS, checksum_key
+from processor.core.keys import USER_KEY_JAVA_REGEX, checksum_key
 from processor.topology import MessageType, SowTopic
 
 if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a JVM
@@ -303,7 +303,7 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
     df = df.select("*", F.expr("try_parse_json(text)").alias("v"))
     exp_valid, life = lifetime_expr(spec, col("exp_raw"))
     header_key = col("key_raw")
-    key_ok = header_key.isNotNull() & (header_key != "") & F.regexp_like(header_key, F.lit(_BASE64_CHARS.pattern))
+    key_ok = header_key.isNotNull() & (header_key != "") & F.regexp_like(header_key, F.lit(USER_KEY_JAVA_REGEX))
     if spec.key_spec.user_keys:
         df = df.select("*", header_key.alias("grp0"), key_ok.alias("grp_ok"))
     else:
@@ -322,7 +322,7 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
     record_ok = is_object & col("grp_ok")
     filter_text = _strip(col("filter_raw"))
     keys_list = F.filter(F.transform(F.split(col("keys_raw"), ","), lambda k: _strip(k)), lambda k: k != "")
-    keys_ok = (F.size(keys_list) > 0) & F.forall(keys_list, lambda k: F.regexp_like(k, F.lit(_BASE64_CHARS.pattern)))
+    keys_ok = (F.size(keys_list) > 0) & F.forall(keys_list, lambda k: F.regexp_like(k, F.lit(USER_KEY_JAVA_REGEX)))
     has_value = col("value").isNotNull() & (F.length("value") > 0)
     header_key_set = header_key.isNotNull() & (header_key != "")
     kind = (

@@ -35,7 +35,7 @@ from processor.core.paths import MISSING, get_path, split_path
 
 SowKey = str
 
-_BASE64_CHARS = re.compile(r"^[A-Za-z0-9+/=_-]+$")
+_BASE64_CHARS = re.compile(r"[A-Za-z0-9+/=_-]+")  # fullmatch: "$" would let a final newline through
 
 
 class KeyError_(ValueError):
@@ -149,9 +149,20 @@ def _checksum(domain: str, texts: tuple[str, ...]) -> SowKey:
     return str(int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big"))
 
 
+MAX_USER_KEY_CHARS = 1024  # a publisher's own SowKey goes on each of its outputs twice (Kafka key and sow-key header)
+# The same rule for Spark's regexp_like (Java regex, "find"): anchored at both ends, "\z" as Java's
+# "$" too would let a final newline through.
+USER_KEY_JAVA_REGEX = rf"^[A-Za-z0-9+/=_-]{{1,{MAX_USER_KEY_CHARS}}}\z"
+
+
 def validate_user_key(key: str) -> SowKey:
-    if not _BASE64_CHARS.match(key):
-        raise KeyError_(f"sow-key {key!r} must use only Base64 characters")
+    """A SowKey a publisher gave (sow-key, sow-keys): Base64 text, at most MAX_USER_KEY_CHARS long
+    (a longer one would make outputs the broker refuses, and stall the batch that holds them)."""
+    if len(key) > MAX_USER_KEY_CHARS:
+        raise KeyError_(f"sow-key of {len(key)} characters is longer than {MAX_USER_KEY_CHARS}: {key[:40]!r}...")
+    if not _BASE64_CHARS.fullmatch(key):
+        shown = repr(key) if len(key) <= 80 else f"{key[:40]!r}..."
+        raise KeyError_(f"sow-key {shown} must use only Base64 characters")
     return key
 
 

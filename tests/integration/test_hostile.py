@@ -126,6 +126,27 @@ def test_a_lifetime_past_100_years_lands_on_errors_and_the_worker_goes_on(kafka_
         worker.kill()
 
 
+def test_a_huge_publisher_sow_key_lands_on_errors_and_the_worker_goes_on(kafka_bootstrap, unique_name, tmp_path, own_registry):
+    """Audit: one input with a 600,000-character sow-key header stalled its worker for good (the
+    broker refused the outputs that carried the key twice, and the batch was aborted and read
+    again, over and over; the worker that took over stalled the same way)."""
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name, key=[])
+    try:
+        p = producer(kafka_bootstrap)
+        send(p, unique_name, {"a": "hostile"}, headers=[("sow-key", b"A" * 600_000)])
+        p.flush(30)
+        for i in range(4):
+            client.publish(unique_name, {"a": i}, sow_key=f"k{i}")
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 4, timeout=60)
+        errors = wait_until(lambda: read_all(kafka_bootstrap, f"{unique_name}.errors", 2), timeout=30)
+        assert [orjson.loads(m.value()) for m in errors] == [{"a": "hostile"}]
+        assert "600000 characters is longer than 1024" in headers_of(errors[0])["sow-error"]
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+
+
 def test_the_token_guards_the_worker_endpoint(kafka_bootstrap, unique_name, tmp_path, own_registry, monkeypatch):
     monkeypatch.setenv("KSOW_WEB_TOKEN", "s3cret-token")
     worker, _ = _start(kafka_bootstrap, tmp_path, unique_name)

@@ -88,6 +88,27 @@ def test_user_supplied_keys():
         spec.sow_key({}, "no spaces!")
 
 
+def test_a_publisher_key_is_bounded_and_ends_where_its_text_does():
+    """Audit: a 600,000-character sow-key was taken, went on every output twice, and the broker
+    refused the batch holding it again and again: the worker stalled for good. And a sow-key with
+    a final newline passed the Base64 check ("$" matches before it)."""
+    import re
+
+    from processor.core.keys import MAX_USER_KEY_CHARS, USER_KEY_JAVA_REGEX
+
+    spec = KeySpec("t")
+    assert spec.sow_key({}, "A" * MAX_USER_KEY_CHARS) == "A" * MAX_USER_KEY_CHARS
+    with pytest.raises(KeyError_, match=f"600000 characters is longer than {MAX_USER_KEY_CHARS}") as info:
+        spec.sow_key({}, "A" * 600_000)
+    assert len(str(info.value)) < 200  # the reason on `.errors` does not carry the key again
+    for bad in ("abc\n", "abc\r", "\nabc"):
+        with pytest.raises(KeyError_, match="Base64"):
+            spec.sow_key({}, bad)
+    # Spark's check (a Java regex, searched) says the same: Java's \z is Python's \Z.
+    java = re.compile(USER_KEY_JAVA_REGEX.replace("\\z", "\\Z"))
+    assert java.search("abc123==") and not java.search("abc\n") and not java.search("A" * (MAX_USER_KEY_CHARS + 1))
+
+
 @given(st.dictionaries(st.text(min_size=1, max_size=4), st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=6), st.randoms())
 def test_key_independent_of_field_order(fields, rnd):
     spec = KeySpec("d", tuple("/" + k for k in fields if "/" not in k) or ("/x",))

@@ -161,3 +161,24 @@ def test_a_view_filter_that_does_not_parse_is_a_topology_error():
     """Not a traceback when the worker starts: the view and the field, and where the filter breaks."""
     message = _rejected({"sow": [{"topic": "vb", "key": ["/id"]}], "views": [{"name": "vbv", "topic": "vb", "filter": "/x >> 1"}]})
     assert message.startswith("views[vbv].filter: ") and "position 4" in message
+
+
+@pytest.mark.parametrize(("word", "mode"), [("on", ExpirationMode.ENABLED), ("yes", ExpirationMode.ENABLED), ("true", ExpirationMode.ENABLED),
+                                            ("off", ExpirationMode.DISABLED), ("no", ExpirationMode.DISABLED), ("false", ExpirationMode.DISABLED)])
+def test_a_yaml_boolean_switches_expiration_and_is_no_lifetime(tmp_path, word, mode):
+    """Audit: `expiration: on` (a YAML boolean) was read as 1, a one-second lifetime for every record."""
+    path = tmp_path / "t.yaml"
+    path.write_text(f"sow:\n  - topic: t\n    key: [/id]\n    expiration: {word}\n")
+    policy = load_topology(path).topic("t").expiry
+    assert policy.mode is mode and policy.default_ms is None
+
+
+@pytest.mark.parametrize("field", ["min_expiration", "max_expiration", "capacity", "partitions"])
+def test_a_yaml_boolean_is_no_number_or_duration(tmp_path, field):
+    path = tmp_path / "t.yaml"
+    path.write_text(f"sow:\n  - topic: t\n    key: [/id]\n    {field}: on\n")
+    with pytest.raises(TopologyError, match=rf"sow\[t\]\.{field}: .*YAML boolean"):
+        load_topology(path)
+    path.write_text("sow:\n  - topic: t\n    key: [/id]\nviews:\n  - name: v\n    topic: t\n    conflation: yes\n")
+    with pytest.raises(TopologyError, match="conflation: .*YAML boolean"):
+        load_topology(path)
