@@ -406,6 +406,10 @@ def load_topology(path: str | os.PathLike | None = None) -> Topology:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise TopologyError(f"topology file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise TopologyError(f"topology file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise TopologyError(f"cannot read the topology file {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise TopologyError(f"topology file {path} is not valid YAML: {exc}") from None
     return parse_topology(raw)

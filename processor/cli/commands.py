@@ -7,6 +7,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import orjson
@@ -218,11 +219,14 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         return
     load_topology(topology) if topology else None
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
-    if workers > 1:  # what each worker would refuse stops the pool before anything starts
+    _loop_settings(guarantee, static)  # what a worker would refuse stops it (or the pool) before it connects
+    if workers > 1:
         from processor.runners.faust.worker import default_data_dir
 
-        _loop_settings(guarantee, static)
         base = Path(data_dir) if data_dir else default_data_dir(group, _topology_for_worker(topology))
+        _usable_folder(base)
+    elif data_dir:
+        _usable_folder(Path(data_dir))
     with _bootstrap_or_embedded(bootstrap) as address:
         if workers > 1:
             argv = partial(_pool_worker_argv, address, topology, group, base, web_port, web_host, web_bind, guarantee, static, loglevel)
@@ -235,7 +239,13 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
             if status:
                 sys.exit(status)
             return
-        worker = _worker(address, topology, group, data_dir, web, guarantee, static)
+        from confluent_kafka import KafkaException
+
+        _reachable_or_exit(address)
+        try:
+            worker = _worker(address, topology, group, data_dir, web, guarantee, static)
+        except KafkaException as exc:  # the transactional producer's start: the cluster did not answer in time
+            _startup_failed(f"Kafka at {address}: {exc.args[0].str() if exc.args else exc}")
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}; "
                    f"queries at {worker.web.url}/sow/<topic>, metrics at {worker.web.url}/metrics", err=True)
         try:
@@ -243,6 +253,41 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         except SystemExit as exc:  # Faust exits when stopped; a failure (the loop failed) keeps its status
             if exc.code not in (None, 0):
                 raise
+
+
+def _usable_folder(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        _fail(f"cannot use --data-dir {path}: it is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"cannot use --data-dir {path}: {exc.strerror or exc}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        _fail(f"cannot use --data-dir {path}: not writable")
+
+
+REACH_TIMEOUT_S = 15.0  # how long a starting worker waits for the cluster to answer before it gives up
+
+
+def _reachable_or_exit(address: str) -> None:
+    """A worker that cannot reach the cluster says so and exits at once (with STARTUP_FAILED, so that
+    `ksow up --workers N` stops rather than restarting it forever), not after its clients' timeouts."""
+    from confluent_kafka import KafkaException
+
+    from processor.kafka.clients import make_admin
+
+    try:
+        make_admin(address).list_topics(timeout=REACH_TIMEOUT_S)
+    except KafkaException as exc:
+        _startup_failed(f"cannot reach Kafka at {address} within {REACH_TIMEOUT_S:.0f}s ({exc.args[0].str() if exc.args else exc}): "
+                        "is it up, and are --bootstrap (KAFKA_BOOTSTRAP) and the client settings right?")
+
+
+def _startup_failed(message: str) -> NoReturn:
+    from processor.runners.faust.pool import STARTUP_FAILED
+
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(STARTUP_FAILED)
 
 
 def _pool_worker_argv(address, topology, group, base: Path, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:
@@ -320,25 +365,32 @@ def demo(bootstrap, topology, duration) -> None:
 @GROUP
 def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, group) -> None:
     """Publish a JSON record (or JSON lines from stdin with '-')."""
+    from processor.client.sow_client import ClientError
+
     client = _client(bootstrap, topology)
-    lines = sys.stdin if record in (None, "-") else [record]
+    from_stdin = record in (None, "-")
+    lines = sys.stdin.buffer if from_stdin else [record]  # bytes: each line is decoded (strictly) on its own
     count = 0
     with _client_errors():
         for n, line in enumerate(lines, 1):
-            line = line.strip() if isinstance(line, str) else line
-            if not line:
-                continue
             try:
-                key = client.publish(topic, line, delta=delta, expiration=expiration, sow_key=sow_key)
-            except Exception as exc:
-                from processor.client.sow_client import ClientError
-
-                if isinstance(exc, ClientError) and record in (None, "-"):
-                    # Lines are sent as they are read (stdin may never end): say what became of the
-                    # ones before it.
-                    raise ClientError(f"line {n}: {exc} ({_sent_before(client, count)})") from None
-                raise
-            count += 1
+                text = line.decode() if isinstance(line, bytes) else line.encode().decode()  # argv: no lone surrogates
+            except UnicodeError as exc:
+                problem = ClientError(f"not UTF-8 text ({exc.reason} at {'byte' if isinstance(line, bytes) else 'character'} {exc.start})")
+            else:
+                text = text.strip()
+                if not text:
+                    continue
+                try:
+                    key = client.publish(topic, text, delta=delta, expiration=expiration, sow_key=sow_key)
+                    count += 1
+                    continue
+                except ClientError as exc:
+                    problem = exc
+            if not from_stdin:
+                raise problem
+            # Lines are sent as they are read (stdin may never end): say what became of the ones before it.
+            raise ClientError(f"line {n}: {problem} ({_sent_before(client, count)})")
         client.flush()
     click.echo(f"published {count} record(s)" + (f", last SowKey {key}" if count else ""), err=True)
 

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import orjson
 
-from processor.contract.errors import InputError
+from processor.contract.errors import ConfigError, InputError
 
 
 class Codec(Protocol):
@@ -118,9 +118,14 @@ class AvroCodec:
         from processor.core.avro import converters, without_logical_types
 
         self._fastavro = fastavro
-        raw = json.loads(Path(schema_path).read_text())
-        named: dict = {}
-        self.schema = fastavro.parse_schema(raw, named_schemas=named)
+        try:
+            raw = json.loads(Path(schema_path).read_text())
+            named: dict = {}
+            self.schema = fastavro.parse_schema(raw, named_schemas=named)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the Avro schema {schema_path}: {exc.strerror or exc}") from None
+        except (ValueError, TypeError, KeyError, AttributeError, fastavro.schema.SchemaParseException) as exc:  # JSON, UTF-8, schema
+            raise ConfigError(f"the Avro schema {schema_path} is not a valid schema: {exc}") from None
         # Read without logical types, so values are the JSON ones a store keeps (processor.core.avro).
         self._wire = fastavro.parse_schema(without_logical_types(raw))
         self._to_core, self._to_avro = converters(self.schema, named)

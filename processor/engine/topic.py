@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from processor.contract import headers as H
-from processor.contract.errors import BatchAborted, InputError
+from processor.contract.errors import BatchAborted, ConfigError, InputError
 from processor.contract.types import Command, InputMessage, Output, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import parse_sow_message
@@ -39,7 +39,10 @@ class SowTopicEngine:
 
     def __init__(self, spec: SowTopic, topology_dir: Path | None = None, views: Iterable[View] = ()):
         self.spec = spec
-        self.codec: Codec = codec_for(spec.message_type.value, spec.schema_, topology_dir)
+        try:
+            self.codec: Codec = codec_for(spec.message_type.value, spec.schema_, topology_dir)
+        except ConfigError as exc:  # named as a topology error is: the topic and the field
+            raise ConfigError(f"sow[{spec.topic}].schema: {exc}") from None
         self.views: list[ViewProcessor] = views_of(spec, views)
         self.streams = Streams.of(spec)
         self.partitions: dict[int, SowPartition] = {}

@@ -7,6 +7,9 @@ import yaml
 from click.testing import CliRunner
 
 from processor.cli.commands import main
+from processor.contract.errors import ConfigError
+from processor.engine.topic import SowTopicEngine
+from processor.topology import load_topology
 
 NOWHERE = ["--bootstrap", "127.0.0.1:1"]  # nothing may be sent, so nothing needs to listen
 
@@ -26,6 +29,9 @@ def test_publish_rejects_bad_json_and_missing_keys(run):
     assert result.exit_code == 1 and "missing key field /order_id" in result.output
     result = run("publish", "orders", *NOWHERE, "-", input='\n[1]\n{"order_id": 1}\n')
     assert result.exit_code == 1 and "line 2" in result.output and "nothing was published" in result.output
+    # Audit: a line that is not UTF-8 ended the command with a traceback (and lost the lines before it).
+    result = run("publish", "orders", *NOWHERE, "-", input=b'\n{"order_id": 1, "s": "\xff"}\n')
+    assert result.exit_code == 1 and "line 2: not UTF-8 text (invalid start byte at byte 22)" in result.output and "Traceback" not in result.output
     result = run("subscribe", "orders", *NOWHERE, "--select", "qty")
     assert result.exit_code == 1 and "field path must look like /field" in result.output and "Traceback" not in result.output
     result = run("delete", "orders", *NOWHERE, "--keys", "not base64!")
@@ -136,3 +142,24 @@ def test_loop_settings_from_the_environment(monkeypatch):
     assert LoopSettings.from_env().order_grace_ms == 20
     monkeypatch.setenv("KSOW_ORDER_GRACE_MS", "0")  # 0 is allowed: no wait for caught-up inputs
     assert LoopSettings.from_env().order_grace_ms == 0
+
+
+def test_files_that_cannot_be_used_are_clear_errors(run, tmp_path):
+    """Audit: a topology that is not UTF-8, an Avro schema missing or malformed, and a --data-dir
+    that is a file each ended `ksow` with a traceback."""
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"sow:\n  - topic: \xff\n")
+    result = run("query", "x", *NOWHERE, "--topology", str(binary))
+    assert result.exit_code == 1 and "is not UTF-8 text" in result.output
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for workers in ("1", "2"):
+        result = run("up", *NOWHERE, "--group", "g", "--data-dir", str(afile), "--workers", workers)
+        assert result.exit_code == 1 and "it is a file, not a folder" in result.output and "worker 0 started" not in result.output
+    bad = tmp_path / "bad.avsc"
+    bad.write_text("{bad")
+    for schema, says in ((tmp_path / "none.avsc", "cannot read the Avro schema .*none.avsc"), (bad, "the Avro schema .*bad.avsc is not a valid schema")):
+        topology = tmp_path / "av.yaml"
+        topology.write_text(f"sow:\n  - topic: av\n    key: [/id]\n    message_type: avro\n    schema: {schema}\n")
+        with pytest.raises(ConfigError, match=rf"sow\[av\]\.schema: {says}"):
+            SowTopicEngine(load_topology(topology).topic("av"))

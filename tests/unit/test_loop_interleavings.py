@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 
 import orjson
+import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from processor.contract.errors import ConfigError
 from processor.contract.types import SowRecord
 from processor.core.keys import KEY_FORMAT
 from processor.runners.faust.loop import Guarantee
@@ -234,3 +236,14 @@ def test_after_the_loop_stood_still_its_inputs_are_behind_until_the_broker_says_
     loop.cycle()
     sow = [orjson.loads(v) if v else None for topic, _, _, v in producers[-1].delivered if topic == "orders.sow"]
     assert sow == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}, None]
+
+
+def test_a_session_timeout_the_coordinator_refuses_stops_the_worker(monkeypatch, tmp_path):
+    """Audit: with KSOW_SESSION_TIMEOUT_MS outside the broker's bounds, JoinGroup failed every 2 s
+    and the worker stayed up for good with no partitions. The error is a setting no retry mends."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path)
+    consumer.script.append([Message("orders", 0, error=KafkaError(KafkaError.INVALID_SESSION_TIMEOUT, "JoinGroup failed: Broker: Invalid session timeout"))])
+    with pytest.raises(ConfigError, match="KSOW_SESSION_TIMEOUT_MS"):
+        loop.cycle()
+    consumer.script.append([Message("orders", 0, error=KafkaError(KafkaError._TRANSPORT, "broker down"))])
+    loop.cycle()  # a passing error is only logged

@@ -24,8 +24,25 @@ def test_a_worker_that_keeps_failing_at_start_stops_the_pool(monkeypatch):
     assert status == 1
     assert said.count("worker 1 exited with status 3: restarting it in 1s") == 1
     assert said.count("worker 1 exited with status 3: restarting it in 2s") == 1
-    assert said[-1] == "worker 1 exited 3 times within 5s of its start: stopping"
+    assert said[-1] == "worker 1 exited 3 times within 5s of its start, or without getting going: stopping"
     assert sum("worker 0 exited" in line for line in said) == 0
+
+
+def test_a_worker_that_never_gets_going_stops_the_pool_however_long_it_tried(monkeypatch):
+    """Audit: with the broker unreachable each worker gave up after ~30 s, past the quick-exit
+    window, so `ksow up --workers 2` restarted them forever. A worker that could not get going
+    exits with STARTUP_FAILED, and that counts as failing at its start whenever it comes."""
+    monkeypatch.setattr(pool_module, "QUICK_EXIT_S", 0.3)
+    said: list[str] = []
+    code = f"import sys, time; time.sleep(0.6); sys.exit({pool_module.STARTUP_FAILED})"
+    assert WorkerPool(1, _python(code), say=said.append).run() == 1
+    assert said[-1].startswith("worker 0 exited 3 times")
+    other: list[str] = []
+    code = "import sys, time; time.sleep(0.6); sys.exit(1)"  # an ordinary failure after a while: restarted
+    pool = WorkerPool(1, _python(code), say=other.append)
+    threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    assert pool.run() == 0
+    assert sum("restarting it in 1s" in line for line in other) >= 3 and "stopping" not in other[-1]
 
 
 def test_sigterm_stops_every_worker_and_a_dead_one_is_restarted(tmp_path):

@@ -162,6 +162,8 @@ def _kill(step: str) -> None:
 
 # Tie-break ranks of the three inputs of a SOW partition (processor.engine.ordering).
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
+# Consumer errors that no retry mends: the worker would stay up with no partitions, so it stops.
+_REFUSED_SETTINGS = frozenset((KafkaError.INVALID_SESSION_TIMEOUT,))
 STALL_SECONDS = 1.0  # a gap in the loop after which what its inputs' ends said is not trusted (_check_awake)
 _AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
 
@@ -630,6 +632,9 @@ class SowLoop:
                         found[0].ends[found[1]] = msg.offset()
                 elif err.fatal():
                     raise KafkaException(err)
+                elif err.code() in _REFUSED_SETTINGS:
+                    raise ConfigError(f"the group coordinator refuses this worker's settings: {err.str()}"
+                                      " (KSOW_SESSION_TIMEOUT_MS must be within the broker's group.min/max.session.timeout.ms)")
                 else:
                     log.warning("consumer: %s", err)
                 continue

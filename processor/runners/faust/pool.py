@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 
 QUICK_EXIT_S = 15.0  # a worker that exits this soon after its start did not get going
+STARTUP_FAILED = 3  # the exit status of a worker that could not get going (the cluster did not answer), however long it tried
 MAX_QUICK_EXITS = 3  # in a row, for one worker: the pool stops with an error
 STOP_TIMEOUT_S = 60.0  # after SIGTERM, how long a worker may take to commit and leave the group
 _PR_SET_PDEATHSIG = 1
@@ -68,7 +69,7 @@ class WorkerPool:
             while not self._stopping:
                 failed = self._watch()
                 if failed is not None:
-                    self.say(f"worker {failed.index} exited {MAX_QUICK_EXITS} times within {QUICK_EXIT_S:.0f}s of its start: stopping")
+                    self.say(f"worker {failed.index} exited {MAX_QUICK_EXITS} times within {QUICK_EXIT_S:.0f}s of its start, or without getting going: stopping")
                     return 1
                 time.sleep(0.2)
             return 0
@@ -93,11 +94,9 @@ class WorkerPool:
             if proc is not None:
                 status = proc.poll()
                 if status is None:
-                    if now - member.started > QUICK_EXIT_S:
-                        member.quick_exits, member.backoff = 0, 1.0
                     continue
                 member.proc = None
-                quick = now - member.started < QUICK_EXIT_S
+                quick = now - member.started < QUICK_EXIT_S or status == STARTUP_FAILED
                 member.quick_exits = member.quick_exits + 1 if quick else 0
                 if member.quick_exits >= MAX_QUICK_EXITS:
                     return member
