@@ -12,7 +12,7 @@ import urllib.request
 
 import orjson
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import Producer, TopicPartition
 
 from processor.client.sow_client import Client, ClientError
 from processor.kafka import registry
@@ -142,6 +142,29 @@ def test_a_huge_publisher_sow_key_lands_on_errors_and_the_worker_goes_on(kafka_b
         errors = wait_until(lambda: read_all(kafka_bootstrap, f"{unique_name}.errors", 2), timeout=30)
         assert [orjson.loads(m.value()) for m in errors] == [{"a": "hostile"}]
         assert "600000 characters is longer than 1024" in headers_of(errors[0])["sow-error"]
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+
+
+def test_an_input_at_the_broker_limit_whose_errors_copy_is_over_it_lands_cut(kafka_bootstrap, unique_name, tmp_path, own_registry):
+    """An input the broker just accepted, with incompressible headers, is not JSON: its `.errors`
+    copy (the input and the reason) is over the broker's limit. The producer allowed 64 KiB more
+    than the broker, so the broker refused the transaction holding it, again at every retry (the
+    stall of a huge sow-key, by another road). Now the producer refuses it first, and it goes cut."""
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name)
+    try:
+        plain = Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 2_000_000})  # no compression
+        plain.produce(unique_name, b"{not json", None, partition=0, headers=[("x-blob", os.urandom(1_048_300))])
+        assert plain.flush(30) == 0
+        for i in range(4):
+            client.publish(unique_name, {"id": i})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 4, timeout=60)
+        errors = wait_until(lambda: read_all(kafka_bootstrap, f"{unique_name}.errors", 2), timeout=30)
+        assert len(errors) == 1 and errors[0].value() == b"{not json"
+        reasons = [v.decode() for k, v in errors[0].headers() if k == "sow-error"]
+        assert "not valid JSON" in reasons[0] and "exceeds message.max.bytes 1048000" in reasons[-1]
         assert worker.proc.poll() is None
     finally:
         worker.kill()

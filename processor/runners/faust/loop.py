@@ -96,7 +96,10 @@ class LoopSettings:
     timed_cycle_ms: int = 200
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
     queue_high: int = 20000  # an input partition with this many queued messages is paused
-    max_message_bytes: int = 1_000_000  # the producer's message.max.bytes (a record's own limit: processor.contract.limits)
+    # The producer's message.max.bytes: under the broker's default (1,048,588, compressed batches), so
+    # that the producer refuses, at once and for that message, what the broker would refuse for the
+    # whole transaction; over a record's own limit (processor.contract.limits) with its key and headers.
+    max_message_bytes: int = 1_048_000
     session_timeout_ms: int = 10_000  # a worker silent this long leaves the group (its partitions move)
     transaction_timeout_ms: int = 10_000  # the coordinator aborts a transaction open this long (a stalled worker's)
     # Static group membership (KIP-345): the worker joins as its stable identity (group, host, data
@@ -193,12 +196,21 @@ class Task:
         return (self.engine.spec.topic, self.p)
 
 
+_KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut message keeps besides half its value
+
+
 def _too_large(o: Output, limit: int) -> Output:
     """What goes out instead of a message the producer refuses as too large: its start, on the same
-    topic, with the reason (this is the `.errors` record of an input over the broker's limit)."""
-    size = len(o.value or b"") + len(o.key or b"")
-    reason = f"message of {size} bytes exceeds message.max.bytes {limit}: value cut to {limit // 2} bytes".encode()
-    return Output(o.topic, o.partition, o.key, (o.value or b"")[: limit // 2], [*o.headers, (H.ERROR, reason)])
+    topic, with the reason (this is the `.errors` record of an input over the broker's limit). It
+    always fits: half the limit of its value, and its key and headers cut short too (a message
+    whose headers alone were too large would otherwise be refused again, and stall the batch)."""
+    headers = o.headers or []
+    size = len(o.value or b"") + len(o.key or b"") + sum(len(k) + len(v or b"") for k, v in headers)
+    kept = [(k[:_KEPT_HEADER_BYTES], (v or b"")[:_KEPT_HEADER_BYTES]) for k, v in headers[:_KEPT_HEADERS]]
+    reason = (f"message of {size} bytes exceeds message.max.bytes {limit}: value cut to {limit // 2} bytes, key to "
+              f"{_KEPT_KEY_BYTES}, headers to the first {_KEPT_HEADERS} of {_KEPT_HEADER_BYTES} bytes").encode()
+    return Output(o.topic, o.partition, (o.key or b"")[:_KEPT_KEY_BYTES] if o.key is not None else None,
+                  (o.value or b"")[: limit // 2], [*kept, (H.ERROR, reason)])
 
 
 class _Batch:
@@ -401,7 +413,7 @@ class SowLoop:
     # producer --------------------------------------------------------------------------------
     def _new_producer(self):
         if not self.eos:  # the commit flushes: as below, a longer linger makes fewer, larger requests
-            return make_producer(self.bootstrap, **{"linger.ms": 50, "message.max.bytes": self.settings.max_message_bytes + 65536})
+            return make_producer(self.bootstrap, **{"linger.ms": 50, "message.max.bytes": self.settings.max_message_bytes})
         producer = make_producer(
             self.bootstrap,
             **{
@@ -411,7 +423,7 @@ class SowLoop:
                 # read_committed readers see nothing before the commit, and the commit flushes: a
                 # longer linger only makes fewer, larger produce requests (less CPU here and on the broker).
                 "linger.ms": 50,
-                "message.max.bytes": self.settings.max_message_bytes + 65536,
+                "message.max.bytes": self.settings.max_message_bytes,
             },
         )
         producer.init_transactions(60)  # fences an earlier incarnation with the same transactional.id
