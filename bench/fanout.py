@@ -28,7 +28,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import kafka_bootstrap, log, unique_name  # noqa: E402
-from processor.client.sow_client import Client
+from processor.client.sow_client import Client, ClientError
 from processor.kafka.clients import make_consumer
 from processor.topology import load_topology  # noqa: E402
 
@@ -44,6 +44,13 @@ def full(i: int, rnd: random.Random) -> dict:
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _loaded(client: Client, topic: str, keys: int) -> bool:
+    try:
+        return len(client.query(topic)) >= keys
+    except ClientError:  # its topics are not there yet
+        return False
 
 
 def main() -> None:
@@ -65,10 +72,12 @@ def main() -> None:
         try:
             client = Client(bootstrap, load_topology(path))
             rnd = random.Random(1)
+            while not _loaded(client, topic, 0):  # the worker creates the topics as it starts
+                time.sleep(0.5)
             for i in range(args.keys):
                 client.publish(topic, full(i, rnd))
             client.flush()
-            while len(client.query(topic)) < args.keys:
+            while not _loaded(client, topic, args.keys):
                 time.sleep(0.5)
             log(f"SOW loaded with {args.keys} records; subscribing {args.subscriptions} filtered delta subscriptions")
             subs = []
