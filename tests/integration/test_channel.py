@@ -29,6 +29,14 @@ def ids(client, topic):
     return sorted(e.record["id"] for e in client.query(topic))
 
 
+def load(client, topic, n):
+    """Records 0..n-1 (v 0) in the SOW."""
+    for i in range(n):
+        client.publish(topic, {"id": i, "v": 0})
+    client.flush()
+    wait_until(lambda: len(ids(client, topic)) == n)
+
+
 @pytest.mark.parametrize("mode,survives", [("persistent", True), ("memory", True), ("simple", False)])
 def test_persistence_across_restart(kafka_bootstrap, unique_name, tmp_path, mode, survives):
     topic = unique_name
@@ -141,10 +149,7 @@ def test_subscriber_resumes_after_a_bookmark(kafka_bootstrap, unique_name, tmp_p
     topic = unique_name
     w, client = start(kafka_bootstrap, tmp_path, topic)
     try:
-        for i in range(5):
-            client.publish(topic, {"id": i, "v": 0})
-        client.flush()
-        wait_until(lambda: len(ids(client, topic)) == 5)
+        load(client, topic, 5)
         snapshot = list(client.subscribe(topic, sow=True, timeout=1))
         assert sorted(e["record"]["id"] for e in snapshot) == list(range(5))
         bookmark = snapshot[-1]["bookmark"]
@@ -173,10 +178,7 @@ def test_a_resume_misses_nothing_the_subscriber_was_not_given(kafka_bootstrap, u
     topic = unique_name
     w, client = start(kafka_bootstrap, tmp_path, topic)
     try:
-        for i in range(400):
-            client.publish(topic, {"id": i, "v": 0})
-        client.flush()
-        wait_until(lambda: len(ids(client, topic)) == 400)
+        load(client, topic, 400)
         live = client.subscribe(topic, sow=False, timeout=3)
         for rnd in range(1, 4):
             for i in range(400):
