@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -465,7 +465,7 @@ class Client:
         Every event carries a "bookmark" (processor.core.bookmarks): one event ID per partition,
         how far this subscription got in each. With `after` (the bookmark of the last event a
         subscriber took), instead of the snapshot: the current version of every record changed
-        after it (full records, oldest change first; with oof, an oof event for one that no longer
+        after it (full records as op "sow", oldest change first; with oof, an oof event for one that no longer
         matches, as it may have left the subscription meanwhile) and the records removed after it
         (op of the removal, record null), then the live stream. An event ID alone is a bookmark of
         its own partition only: the other partitions' records then come again, as changed since
@@ -550,11 +550,14 @@ class Client:
                             continue
                         if feed.interval:
                             key = change[1]
-                            held = conflate_event(feed.pending.get(key), event, feed.sub.delta)
+                            now_sent, held = conflate_event(feed.pending.get(key), event, feed.sub.delta)
                             if held is None:  # in and out within the interval: the subscriber never had it
                                 del feed.pending[key]
                             else:
                                 feed.pending[key] = held
+                            if now_sent is not None:  # it left and is back: the leave goes at once
+                                now_sent["bookmark"] = str(_short_of(position, feed.pending.values()))
+                                yield i, now_sent
                         else:
                             event["bookmark"] = str(position)
                             yield i, event
@@ -573,6 +576,18 @@ class Client:
 
 def _by_seq(item: tuple) -> int:
     return item[1][1] or 0
+
+
+def _short_of(position: Bookmark, pending: Iterable[dict]) -> Bookmark:
+    """The position, short of the events still held (a bookmark must not pass them)."""
+    at = position
+    for event in pending:
+        seq = event.get("seq")
+        if seq is not None and before(seq) < at.positions[partition_of(seq)]:
+            if at is position:
+                at = position.copy()
+            at.positions[partition_of(seq)] = before(seq)
+    return at
 
 
 def _released(pending: dict, position: Bookmark) -> Iterator[dict]:

@@ -65,12 +65,13 @@ class SubscriptionSpec:
 
     def resumed(self, op: Op, key: str, seq: int | None, record: dict | None, expires_at: int | None = None) -> dict | None:
         """The event for a record's last change after a resume's bookmark: its current version
-        whole, with the SOW's op (whether the subscriber had it is not known); a removal, with no
-        record; with oof, an oof for one that does not match now (it may have left meanwhile)."""
+        whole, as op "sow" (as in a snapshot: it replaces what the subscriber holds, whether it had
+        the record or not, and a delta subscriber tells it from the live deltas after it); a removal,
+        with no record; with oof, an oof for one that does not match now (it may have left meanwhile)."""
         if record is None:
             return self.event(op.value, key, seq, None)
         if self.matches(record):
-            return self.event(op.value, key, seq, self.shape(record), expires_at)
+            return self.event("sow", key, seq, self.shape(record), expires_at)
         if self.oof:
             return self.event(Op.OOF.value, key, seq, self.shape(record), expires_at, reason="no_match")
         return None
@@ -104,19 +105,29 @@ def conflate(pending: dict | None, delta: dict) -> dict:
 _GONE = ("oof", "delete", "expire", "evict")
 
 
-def conflate_event(pending: dict | None, event: dict, delta: bool) -> dict | None:
-    """The one event a conflation interval sends for a record, after `event` came (None: none):
-    deltas merge; a full record, or anything else, replaces what was waiting (the record as it is
-    then, not a merge of its versions: a field a publish removed stays removed). A record inserted
-    within the interval stays an insert, and one that also left within it is never told: the
-    subscriber never had it, so an oof or a removal would speak of a record it does not know."""
-    if pending is not None and pending["op"] == _INSERT and event["op"] in _GONE:
-        return None
-    if pending is None or event["op"] in _GONE or pending["op"] in _GONE:
-        return event
+def conflate_event(pending: dict | None, event: dict, delta: bool) -> tuple[dict | None, dict | None]:
+    """A conflation interval's events for one record, after `event` came: (the event to send now,
+    the one to hold until the interval ends), either None.
+
+    What is held takes the subscriber from where it was when the interval began to where the record
+    is: deltas merge; a full record, or anything else, replaces what was waiting (the record as it
+    is then, not a merge of its versions: a field a publish removed stays removed); an insert (a
+    whole record new to the subscriber) replaces what was held, and stays an insert through the
+    updates after it. A record that came in and left within the interval is never told (the
+    subscriber never had it). One that left and came back cannot be told in one event: the leave
+    goes at once, and its return is held."""
+    if pending is None:
+        return None, event
+    held, op = pending["op"], event["op"]
+    if op in _GONE:
+        return None, (None if held == _INSERT else event)
+    if held in _GONE:
+        return pending, event
+    if op == _INSERT:
+        return None, event
     merged = dict(event)
     if delta:
         merged["record"] = conflate(pending["record"], event["record"])
-    if pending["op"] == _INSERT:
+    if held == _INSERT:
         merged["op"] = _INSERT
-    return merged
+    return None, merged

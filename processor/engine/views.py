@@ -106,7 +106,9 @@ class ViewProcessor:
         if held is None:
             held = waiting[key] = _Pending(now + self.conflation_ms, event, headers)
         else:
-            merged = conflate_event(held.event, event, True)
+            now_sent, merged = conflate_event(held.event, event, True)
+            if now_sent is not None:  # it left and is back: its leave goes at once
+                out.append(Output(self.diff_topic, p, key.encode(), orjson.dumps(now_sent["record"]), held.headers))
             if merged is None:  # in and out of the view within the interval: nothing to tell
                 del waiting[key]
                 out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), None, []))

@@ -161,7 +161,7 @@ def test_subscriber_resumes_after_a_bookmark(kafka_bootstrap, unique_name, tmp_p
         wait_until(lambda: ids(client, topic) == [0, 1, 2, 3])
         events = list(client.subscribe(topic, after=bookmark, timeout=2))
         got = sorted((e["op"], orjson.dumps(e["record"])) for e in events)
-        assert got == sorted([("update", b'{"id":1,"v":1}'), ("update", b'{"id":3,"v":1}'), ("delete", b"null")])
+        assert got == sorted([("sow", b'{"id":1,"v":1}'), ("sow", b'{"id":3,"v":1}'), ("delete", b"null")])
         assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     finally:
         w.kill()
@@ -185,7 +185,7 @@ def test_a_resume_misses_nothing_the_subscriber_was_not_given(kafka_bootstrap, u
                 client.publish(topic, {"id": i, "v": rnd})
         client.flush()
         events = list(live)
-        assert len(events) == 1200 and all(e["op"] == "update" for e in events)
+        assert len(events) == 1200 and all(e["op"] == "update" for e in events)  # live: the SOW's op
         behind = sum(1 for a, b in zip(events, events[1:]) if b["seq"] < a["seq"])
         for cut in (150, 600, 1100):
             after = {e["record"]["id"] for e in events[cut + 1:]}

@@ -1,7 +1,11 @@
 """What a subscriber sees: seed 001's examples, focus (oof), select lists, empties, conflation."""
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from processor.contract.types import Op
-from processor.core.subscription import SubscriptionSpec, conflate
+from processor.core.merge import merge
+from processor.core.subscription import SubscriptionSpec, conflate, conflate_event
 
 ORDER_KEY = (("order",),)
 ID_KEY = (("id",),)
@@ -81,29 +85,81 @@ def test_no_sowkey_and_full_records():
 def test_conflation_merges_deltas_and_keeps_the_last_full_record():
     """A regular subscriber gets whole records: within an interval the last one replaces what was
     waiting (a field the last publish removed stays removed); a delta subscriber's deltas merge."""
-    from processor.core.subscription import conflate_event
-
     first = {"op": "insert", "record": {"id": 1, "status": "open", "note": "rush", "m": {"a": 1}}}
     last = {"op": "update", "record": {"id": 1, "status": "done", "m": {"b": 2}}}
-    assert conflate_event(first, last, delta=False) == {"op": "insert", "record": {"id": 1, "status": "done", "m": {"b": 2}}}
-    assert conflate_event(first, last, delta=True)["record"] == {"id": 1, "status": "done", "note": "rush", "m": {"a": 1, "b": 2}}
+    assert conflate_event(first, last, delta=False) == (None, {"op": "insert", "record": {"id": 1, "status": "done", "m": {"b": 2}}})
+    assert conflate_event(first, last, delta=True)[1]["record"] == {"id": 1, "status": "done", "note": "rush", "m": {"a": 1, "b": 2}}
     gone = {"op": "delete", "record": {"id": 1}}
-    assert conflate_event(last, gone, delta=True) is gone and conflate_event(gone, last, delta=False) is last
+    assert conflate_event(last, gone, delta=True) == (None, gone)
 
 
 def test_a_record_in_and_out_within_one_interval_is_never_told():
     """Audit: a record that came into a conflated subscription and left it within one interval gave
     an oof for a record the subscriber never had. It now gives nothing (the oof or removal cancels
     the insert that was waiting); one the subscriber had still gets its oof."""
-    from processor.core.subscription import conflate_event
-
     sub = SubscriptionSpec(filter=lambda r: r["region"] == "EU", oof=True, key_paths=(("id",),))
     came = sub.change(Op.UPDATE, "k", 1, {"id": 1, "region": "US"}, {"id": 1, "region": "EU"})
     left = sub.change(Op.UPDATE, "k", 2, {"id": 1, "region": "EU"}, {"id": 1, "region": "US"})
     assert came["op"] == "insert"  # new to this subscriber, though an update to the SOW
     assert left["op"] == "oof" and left["reason"] == "no_match"
-    assert conflate_event(came, left, delta=False) is None
+    assert conflate_event(came, left, delta=False) == (None, None)
     deleted = sub.change(Op.DELETE, "k", 3, {"id": 1, "region": "EU"}, None)
-    assert conflate_event(came, deleted, delta=True) is None
+    assert conflate_event(came, deleted, delta=True) == (None, None)
     had = sub.change(Op.UPDATE, "k", 1, {"id": 1, "region": "EU", "q": 1}, {"id": 1, "region": "EU", "q": 2})
-    assert had["op"] == "update" and conflate_event(had, left, delta=False) is left
+    assert had["op"] == "update" and conflate_event(had, left, delta=False) == (None, left)
+    # Audit (the fix above): out, back in and out again within one interval said nothing at all,
+    # and the subscriber kept a record that had left. Its leave goes at once when it comes back.
+    assert conflate_event(left, came, delta=False) == (left, came)
+
+
+def _apply(held: dict, key: str, event: dict, delta: bool) -> None:
+    """A subscriber: a whole record replaces, a delta merges, a leave removes."""
+    op = event["op"]
+    if op in ("oof", "delete", "expire", "evict"):
+        held.pop(key, None)
+    elif delta and op == "update" and key in held:
+        held[key] = merge(held[key], event["record"])
+    else:
+        held[key] = event["record"]
+
+
+_CHANGES = st.lists(st.tuples(st.sampled_from(["publish", "delta", "delete"]), st.sampled_from(["EU", "US"]),
+                              st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=25)
+
+
+@given(_CHANGES, st.booleans(), st.booleans())
+def test_a_conflated_subscriber_ends_each_interval_where_an_unconflated_one_is(changes, delta, oof):
+    """Whatever a record goes through within an interval (in and out of the filter, deleted and
+    published again, fields added and removed), what conflation sends takes the subscriber to the
+    state the events one by one would have. Without oof the filter is 1=1 (a subscriber that is not
+    told of leaves cannot be held to one)."""
+    sub = SubscriptionSpec(filter=(lambda r: r.get("region") == "EU") if oof else (lambda r: True), delta=delta, oof=oof, key_paths=(("id",),))
+    record: dict | None = None
+    plain: dict = {}
+    conflated: dict = {}
+    pending: dict | None = None
+    for n, (kind, region, q, extra, flush) in enumerate(changes):
+        before = record
+        if kind == "delete":
+            if record is None:
+                continue
+            after, op = None, Op.DELETE
+        elif kind == "delta" and record is not None:
+            fields = {"id": 1, "region": region, "q": q, **({"x": n} if extra else {})}
+            after, op = {**record, **fields}, Op.UPDATE
+        else:  # a publish (a delta on no record becomes the record)
+            after = {"id": 1, "region": region, "q": q, **({"x": n} if extra else {})}
+            op = Op.UPDATE if record is not None else Op.INSERT
+        record = after
+        event = sub.change(op, "k", n, before, after)
+        if event is None:
+            continue
+        _apply(plain, "k", event, delta)
+        now_sent, pending = conflate_event(pending, event, delta)
+        if now_sent is not None:
+            _apply(conflated, "k", now_sent, delta)
+        if flush:
+            if pending is not None:
+                _apply(conflated, "k", pending, delta)
+            pending = None
+            assert conflated == plain, (changes, delta, oof)

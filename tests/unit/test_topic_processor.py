@@ -398,6 +398,18 @@ def test_a_record_new_to_a_view_is_an_insert_and_one_in_and_out_within_its_inter
     released: list = []
     proc.engine.release_views(0, 10_000, released)
     assert not [o for o in released if o.topic == "eu_conf.diff"]
+    # In the view, then out, back and out again within one interval (verification audit): the view's
+    # readers are told it left (that leave goes out when it comes back), and nothing else.
+    run(proc, [msg(proc, {"id": 1, "r": "EU"}, ts=20_000, partition=0, offset=3)], now=20_000)
+    released = []
+    proc.engine.release_views(0, 30_000, released)
+    assert [hdr(o, "sow-op") for o in released if o.topic == "eu_conf.diff"] == [b"insert"]
+    steps = [by_topic(run(proc, [msg(proc, {"id": 1, "r": r}, ts=40_000 + n, partition=0, offset=4 + n)], now=40_000 + n))
+             for n, r in enumerate(["US", "EU", "US"])]
+    assert [[hdr(o, "sow-op") for o in step.get("eu_conf.diff", [])] for step in steps] == [[], [b"oof"], []]
+    released = []
+    proc.engine.release_views(0, 50_000, released)
+    assert not [o for o in released if o.topic == "eu_conf.diff"]
 
 
 def test_a_view_with_no_sowkey_leaves_the_sow_key_header_off_its_messages(tmp_path):
