@@ -21,6 +21,7 @@ import faust
 import mode
 from faust.app.base import BootStrategy
 
+from processor.contract.errors import KsowError
 from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
@@ -72,7 +73,10 @@ class LoopService(mode.Service):
         try:
             await self._done
         except Exception as exc:  # noqa: BLE001 - reported, then the worker stops
-            log.exception("the input loop failed")
+            if isinstance(exc, KsowError):  # a setting or a cluster that refuses us: the message says it all
+                log.error("the input loop stopped: %s", exc)
+            else:
+                log.exception("the input loop failed")
             await self.crash(exc)
 
     async def on_stop(self) -> None:
