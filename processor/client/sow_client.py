@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -24,7 +24,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from processor.contract.errors import InputError
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
-from processor.core.bookmarks import Bookmark, BookmarkError, before, partition_of
+from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
@@ -556,7 +556,7 @@ class Client:
                             else:
                                 feed.pending[key] = held
                             if now_sent is not None:  # it left and is back: the leave goes at once
-                                now_sent["bookmark"] = str(_short_of(position, feed.pending.values()))
+                                now_sent["bookmark"] = str(position.short_of(e.get("seq") for e in feed.pending.values()))
                                 yield i, now_sent
                         else:
                             event["bookmark"] = str(position)
@@ -578,38 +578,21 @@ def _by_seq(item: tuple) -> int:
     return item[1][1] or 0
 
 
-def _short_of(position: Bookmark, pending: Iterable[dict]) -> Bookmark:
-    """The position, short of the events still held (a bookmark must not pass them)."""
-    at = position
-    for event in pending:
-        seq = event.get("seq")
-        if seq is not None and before(seq) < at.positions[partition_of(seq)]:
-            if at is position:
-                at = position.copy()
-            at.positions[partition_of(seq)] = before(seq)
-    return at
-
-
 def _released(pending: dict, position: Bookmark) -> Iterator[dict]:
     """A conflation interval's events, oldest change first (and `pending` emptied), each with a
     bookmark that stops short of the events of its partition still to come after it: a subscriber
     that stops in the middle resumes with the rest."""
     events = sorted(pending.values(), key=lambda e: e.get("seq") or 0)
     pending.clear()
-    to_come: list[dict[int, int]] = []
+    to_come: list[list[int]] = []
     upcoming: dict[int, int] = {}  # partition -> event ID of its next event still to come
     for event in reversed(events):
-        to_come.append(dict(upcoming))
+        to_come.append(list(upcoming.values()))
         seq = event.get("seq")
         if seq is not None:
             upcoming[partition_of(seq)] = seq
     for event, later in zip(events, reversed(to_come)):
-        at = position
-        if later:
-            at = position.copy()
-            for p, seq in later.items():
-                if before(seq) < at.positions[p]:
-                    at.positions[p] = before(seq)
+        at = position.short_of(later)
         event["bookmark"] = str(at)
         yield event
 

@@ -86,6 +86,21 @@ class Bookmark:
     def copy(self) -> "Bookmark":
         return Bookmark(list(self.positions))
 
+    def short_of(self, seqs: Iterable[int | None]) -> "Bookmark":
+        """This position, stopped short of the changes with these event IDs (ones a subscriber was
+        not given yet, such as events a conflation interval still holds): itself when it already is."""
+        at = self
+        for seq in seqs:
+            if seq is None:
+                continue
+            p = seq & _PARTITION_MASK
+            bound = before(seq)
+            if bound < at.positions[p]:
+                if at is self:
+                    at = self.copy()
+                at.positions[p] = bound
+        return at
+
     def __str__(self) -> str:
         text = self._text
         if text is None:

@@ -34,6 +34,14 @@ def test_what_is_new_after_a_bookmark_is_decided_in_each_partition():
     assert partition_of(seq(50, 1)) == 1 and before(seq(50, 1)) == seq(49, 1)
 
 
+def test_a_bookmark_stopped_short_of_changes_not_given_leaves_itself_alone():
+    position = Bookmark([seq(100, 0), seq(50, 1)])
+    short = position.short_of([seq(80, 0), None, seq(90, 0), seq(60, 1)])
+    assert short.positions == [seq(79, 0), seq(50, 1)]  # the lowest held change of a partition decides
+    assert position.positions == [seq(100, 0), seq(50, 1)]  # a copy: the stream's position goes on
+    assert position.short_of([seq(101, 0), seq(51, 1)]) is position  # nothing held it has passed
+
+
 @pytest.mark.parametrize(("value", "says"), [
     ("", "separated by commas"),
     ("1,,2", "separated by commas"),
