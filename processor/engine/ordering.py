@@ -32,8 +32,9 @@ not to the backlog queued.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
-from itertools import islice, takewhile
+from itertools import islice, repeat, takewhile
 from typing import Sequence
 
 _NO_BOUND = (float("inf"),)
@@ -64,13 +65,21 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
             if last < bound:
                 bound = last
     if limit is not None and sum(map(len, queues)) > limit:
-        # The first `limit` of the entries that may go: the last of them bounds what goes now, and
-        # the rest stay queued for the next merge, where they meet what arrives meanwhile in order.
-        # Each queue is in order, so they are among the first `limit` that may go of each queue.
-        ready = [e for q in queues for e in islice(q if bound is _NO_BOUND else takewhile(bound.__ge__, q), limit)]
-        if len(ready) >= limit:
-            ready.sort()  # runs of already ordered entries
-            bound = ready[limit - 1]
+        # The first `limit` of the entries that may go go now, and the rest stay queued for the next
+        # merge, where they meet what arrives meanwhile in order. Each queue is in order, so they
+        # are among the first `limit` that may go of each queue: those heads, merged, are the answer,
+        # and each queue gives up as many as its head has up to the last one taken.
+        heads, taken = _heads(queues, bound, limit)
+        if len(taken) > limit:
+            del taken[limit:]
+            last = taken[-1]
+            for q, head in zip(queues, heads):
+                if head:
+                    _drop_first(q, bisect_right(head, last))
+        else:
+            for q, head in zip(queues, heads):
+                _drop_first(q, len(head))
+        return taken
     taken: list = []
     live = 0
     for q in queues:
@@ -87,3 +96,31 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
     if live > 1:
         taken.sort()  # runs of already ordered entries: timsort merges them in C
     return taken
+
+
+def _drop_first(q: deque, n: int) -> None:
+    """Remove the first n entries of q (taken already)."""
+    if n == len(q):
+        q.clear()
+        return
+    popleft = q.popleft
+    for _ in repeat(None, n):
+        popleft()
+
+
+def _heads(queues: Sequence[deque], bound: tuple, limit: int) -> tuple[list[list], list]:
+    """The first entries of each queue that may go (up to `bound`), enough to hold the first `limit`
+    of their merge, and that merge (sorted). A first try takes a share of `limit` from each queue,
+    twice what they would give if their entries were spread evenly in time; it holds the first
+    `limit` when none of the queues it cut short could have an earlier one after the cut."""
+    take = min(limit, 2 * -(-limit // sum(1 for q in queues if q)))
+    while True:
+        heads = [list(islice(q if bound is _NO_BOUND else takewhile(bound.__ge__, q), take)) for q in queues]
+        merged = [e for head in heads for e in head]
+        merged.sort()  # runs of already ordered entries: timsort merges them in C
+        if take == limit:
+            return heads, merged
+        cut = [head[-1] for head in heads if len(head) == take]
+        if not cut or (len(merged) > limit and merged[limit - 1] <= min(cut)):
+            return heads, merged
+        take = limit

@@ -115,3 +115,12 @@ def test_a_limited_merge_takes_the_first_entries_and_leaves_the_rest_in_order(st
         assert len(part) <= limit
         sliced += part
     assert sliced == whole
+
+
+def test_a_limited_merge_takes_from_one_input_far_ahead_of_the_others_in_time():
+    """The merge first takes a share of the limit from each input; when one input holds all the
+    earliest entries, that share is not enough, and it must take the limit from that one."""
+    queues = [entries(0, list(range(100)))] + [entries(1, [1000 + i for i in range(50)], p) for p in range(5)]
+    part = drain_in_order(queues, [False] * 6, limit=40)
+    assert part == [(0, 0, offset, offset) for offset in range(40)]
+    assert len(queues[0]) == 60 and all(len(q) == 50 for q in queues[1:])
