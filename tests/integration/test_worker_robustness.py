@@ -158,3 +158,18 @@ def test_publish_from_stdin_stops_at_a_bad_line_and_says_what_went_before_it(kaf
         assert sorted(r["id"] for r in _sow(kafka_bootstrap, spec).values()) == [1, 2]
     finally:
         worker.kill()
+
+
+def test_a_setting_the_cluster_refuses_stops_the_worker_with_one_line(kafka_bootstrap, unique_name, tmp_path):
+    """A session timeout outside the broker's bounds: the worker says why in one line and exits 1
+    (its supervisor sees a failure), without a crash report's tracebacks burying that line."""
+    path = write_topology(tmp_path, unique_name)
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", env={"KSOW_SESSION_TIMEOUT_MS": "1000"})
+    worker.start(wait=False)
+    try:
+        assert worker.proc.wait(90) == 1
+    finally:
+        worker.kill()
+    log = worker.log()
+    assert log.count("refuses this worker's settings") == 1 and "KSOW_SESSION_TIMEOUT_MS must be within" in log
+    assert "Traceback" not in log and "Crashed" not in log

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import faust
 import mode
@@ -63,6 +64,9 @@ class LoopService(mode.Service):
         super().__init__(**kwargs)
         self.sow_loop = sow_loop
         self._done: asyncio.Future | None = None
+        self.refused: KsowError | None = None  # why the loop stopped, when a setting or the cluster refused it
+        self.stop_worker: Callable[[], Awaitable] | None = None  # the worker's stop (SowWorker.run sets it)
+        self._stopping: asyncio.Future | None = None
 
     async def on_start(self) -> None:
         self._done = asyncio.get_running_loop().run_in_executor(None, self.sow_loop.run)
@@ -72,16 +76,22 @@ class LoopService(mode.Service):
         assert self._done is not None
         try:
             await self._done
-        except Exception as exc:  # noqa: BLE001 - reported, then the worker stops
-            if isinstance(exc, KsowError):  # a setting or a cluster that refuses us: the message says it all
-                log.error("the input loop stopped: %s", exc)
+        except KsowError as exc:
+            # A setting or a cluster that refuses us: the message says it all, so the worker stops
+            # as on a signal (no crash report: its tracebacks would bury the line) and exits 1.
+            log.error("the input loop stopped: %s", exc)
+            self.refused = exc
+            if self.stop_worker is not None:
+                self._stopping = asyncio.ensure_future(self.stop_worker())
             else:
-                log.exception("the input loop failed")
+                await self.crash(exc)
+        except Exception as exc:  # noqa: BLE001 - reported, then the worker stops
+            log.exception("the input loop failed")
             await self.crash(exc)
 
     async def on_stop(self) -> None:
         self.sow_loop.stop()
-        if self._done is not None:
+        if self._done is not None and not self._done.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._done), 30)
             except Exception:  # noqa: BLE001 - stopping anyway
@@ -139,11 +149,18 @@ class SowWorker:
         """Run until stopped (SIGINT/SIGTERM); exits the process like any Faust worker."""
         self.create_topics()
         os.environ.setdefault("F_BLOCKING_TIMEOUT", "0")
-        worker = faust.Worker(self.app, LoopService(self.loop), loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        service = LoopService(self.loop)
+        worker = faust.Worker(self.app, service, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+        service.stop_worker = worker.stop
         # Faust's terminal spinner (installed at loglevel warning and above) also turns the root
         # logger to DEBUG, so every debug line in the hot path would be formatted: none of that.
         worker.spinner = None
-        worker.execute_from_commandline()
+        try:
+            worker.execute_from_commandline()
+        except SystemExit as exit:
+            if service.refused is not None and not exit.code:
+                raise SystemExit(1) from None
+            raise
 
 
 class WorkerView:
