@@ -11,6 +11,8 @@ objects are diffed recursively; a field the new record no longer has appears as 
 from __future__ import annotations
 
 
+import orjson
+
 from processor.core.paths import MISSING, get_path, set_path
 
 
@@ -28,6 +30,9 @@ def merge(existing: dict | None, delta: dict) -> dict:
     return merged
 
 
+_dumps, _SORTED = orjson.dumps, orjson.OPT_SORT_KEYS  # records are JSON-able: every diff is written with orjson
+
+
 def changed_fields(old: dict, new: dict) -> dict:
     """Fields of `new` that differ from `old`, nested objects diffed; removed fields as None.
 
@@ -38,11 +43,16 @@ def changed_fields(old: dict, new: dict) -> dict:
     get = old.get
     for name, value in new.items():
         before = get(name, MISSING)
-        if type(before) is type(value):
-            if before == value:
-                continue
-            if type(value) is dict:
-                out[name] = changed_fields(before, value)
+        kind = type(value)
+        if type(before) is kind:
+            if kind is dict or kind is list:
+                # Compared as JSON: Python's == calls [0] and [False], or {"k": 1} and {"k": 1.0}, equal.
+                if _dumps(before, option=_SORTED) == _dumps(value, option=_SORTED):
+                    continue
+                if kind is dict:
+                    out[name] = changed_fields(before, value)
+                    continue
+            elif before == value:
                 continue
         out[name] = value
     for name in old:

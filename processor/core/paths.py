@@ -60,3 +60,23 @@ def project(record: dict, paths: list[tuple[str, ...]]) -> dict:
         if value is not MISSING:
             set_path(out, parts, value)
     return out
+
+
+def project_changes(changes: dict, before: dict, paths: list[tuple[str, ...]]) -> dict:
+    """The select list's part of a diff (`project` of it), where a selected field the change took
+    away is null: a diff tells a removed field as null, and one whose parent became null, a number,
+    a string or an array (so that the selected field is gone) is told the same way, if it was there."""
+    out: dict = {}
+    for parts in paths:
+        value = get_path(changes, parts)
+        if value is not MISSING:
+            set_path(out, parts, value)
+            continue
+        node: Any = changes
+        for part in parts[:-1]:
+            node = node.get(part, MISSING)
+            if type(node) is not dict:
+                if node is not MISSING and get_path(before, parts) is not MISSING:
+                    set_path(out, parts, None)
+                break
+    return out

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from processor.contract.types import Op
 from processor.core.merge import diff, has_data_changes, merge
-from processor.core.paths import project, split_path
+from processor.core.paths import project, project_changes, split_path
 
 Predicate = Callable[[dict], bool]
 _INSERT = Op.INSERT.value
@@ -33,7 +33,9 @@ class SubscriptionSpec:
     _select_split: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self._select_split = [split_path(p) for p in self.select]
+        paths = [split_path(p) for p in self.select]
+        # A path inside another selected one adds nothing, and would undo the removal that one tells.
+        self._select_split = [p for p in paths if not any(len(q) < len(p) and p[: len(q)] == q for q in paths)]
 
     def matches(self, record: dict | None) -> bool:
         return record is not None and bool(self.filter(record))
@@ -44,6 +46,12 @@ class SubscriptionSpec:
             return record
         paths = (list(self.key_paths) if keep_keys else []) + self._select_split
         return project(record, paths)
+
+    def shape_delta(self, changes: dict, before: dict) -> dict:
+        """Apply the select list to a diff: a selected field the change took away comes as null."""
+        if not self._select_split:
+            return changes
+        return project_changes(changes, before, list(self.key_paths) + self._select_split)
 
     def event(self, op: str, key: str, seq: int | None, record: dict, expires_at: int | None = None, **extra: Any) -> dict:
         out: dict = {"op": op}
@@ -84,8 +92,7 @@ class SubscriptionSpec:
             if not self.delta or before is None or (not was and self.oof):
                 # A record new to this subscriber is an insert to it, whatever it was to the SOW.
                 return self.event(op.value if was else _INSERT, key, seq, self.shape(after), expires_at)
-            delta = diff(before, after, self.key_paths)
-            shaped = self.shape(delta)
+            shaped = self.shape_delta(diff(before, after, self.key_paths), before)
             if self.no_empties and not has_data_changes(shaped, self.key_paths):
                 return None
             return self.event(op.value, key, seq, shaped, expires_at)

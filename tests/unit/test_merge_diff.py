@@ -1,5 +1,6 @@
 """Delta publish merge and diff: seed 001's rules, and properties that tie them together."""
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,3 +103,29 @@ def test_merge_is_idempotent_per_delta(base, d1, d2):
 def test_no_changes_means_only_keys(rec):
     rec = {**rec, "id": 7}
     assert diff(rec, rec, KEY) == {"id": 7}
+
+
+def test_a_change_of_type_inside_an_object_or_an_array_is_a_change():
+    """Audit: Python's == calls [0, 1] and [False, True], or {"k": 1} and {"k": True}, equal, and
+    the diff left them out; a delta subscriber kept the old values."""
+    old = {"id": 1, "arr": [0, 1], "n": {"k": 1, "m": {"z": 2}}}
+    assert diff(old, {**old, "arr": [False, True]}, KEY) == {"id": 1, "arr": [False, True]}
+    assert diff(old, {**old, "n": {"k": True, "m": {"z": 2}}}, KEY) == {"id": 1, "n": {"k": True}}
+    assert diff(old, {**old, "n": {"k": 1, "m": {"z": 2.0}}}, KEY) == {"id": 1, "n": {"m": {"z": 2.0}}}
+    assert diff(old, {"id": 1, "n": {"m": {"z": 2}, "k": 1}, "arr": [0, 1]}, KEY) == {"id": 1}  # the same JSON
+
+
+def _json(value) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+confusable = st.sampled_from([0, 1, 0.0, 1.0, False, True, "1"])  # equal in Python, not in JSON
+confusable_records = st.dictionaries(names, st.recursive(confusable | st.lists(confusable, max_size=2),
+                                                         lambda inner: st.dictionaries(names, inner, max_size=2), max_leaves=4), max_size=3)
+
+
+@settings(max_examples=300)
+@given(confusable_records, confusable_records)
+def test_a_records_own_diff_takes_the_old_one_to_the_same_json(old, new):
+    """As test_merging_a_records_own_diff_gives_the_record, with types compared: 1, 1.0 and True differ."""
+    assert _json(merge(old, diff(old, new, ()))) == _json(_with_nulls(new, old))
