@@ -852,22 +852,43 @@ def index_keys(value: Any) -> list:
     if type(value) is list:
         return [k for v in value for k in index_keys(v)]
     if type(value) is not str:
-        return [_canonical(value)]
+        return _number_keys(value)
     keys = [value]
     n = _to_number(value)
     if n is not None:
-        keys.append(_canonical(n))
+        keys += _number_keys(n)
     b = _BOOL_TEXT.get(value.lower())
     if b is not None:
         keys.append(b)
     return keys
 
 
-def _canonical(v: Any) -> Any:
-    """Integral floats as ints (10.0 -> 10), so keys also agree once serialised (orjson, hashes)."""
-    if type(v) is float and v.is_integer() and abs(v) < 2**53:
-        return int(v)
-    return v
+_EXACT = 1 << 53  # integers up to this are exact as floats
+_INT64 = (-(1 << 63), 1 << 64)  # what orjson (and so an index's hash) writes as an integer
+
+
+def _number_keys(v: Any) -> list:
+    """A number's keys: integral floats as ints (10.0 -> 10), so keys agree once serialised (orjson,
+    hashes). Past 2**53 a number keys both ways, as an int (within 64 bits, all an index can hash;
+    its digits past that) and as the float it equals exactly: 2**60 equals 2.0**60, and 10**20 (a
+    filter's literal, over 64 bits) equals a record's 1e20. Other values key as themselves."""
+    kind = type(v)
+    if kind is float:
+        if not v.is_integer():
+            return [v]
+        as_int = int(v)
+        if -_EXACT < as_int < _EXACT:
+            return [as_int]
+        return [v, as_int] if _INT64[0] <= as_int < _INT64[1] else [v]
+    if kind is not int or -_EXACT < v < _EXACT:
+        return [v]
+    # Over 64 bits, its digits stand for it (a record's string that spells it keys the same way).
+    keys = [v] if _INT64[0] <= v < _INT64[1] else [str(v)]
+    try:
+        as_float = float(v)
+    except OverflowError:  # past any float: only its digits (above) can equal it
+        return keys
+    return keys + [as_float] if as_float == v else keys
 
 
 def _map_paths(node: Any, fn: Callable[[Path], Any]) -> Any:

@@ -286,6 +286,27 @@ def test_index_keys() -> None:
     assert index_keys(2.5) == [2.5] and index_keys(1e20) == [1e20]
 
 
+def test_numbers_past_double_precision_key_so_that_equal_ones_meet() -> None:
+    """Audit: a literal over 64 bits in an equality term covered by a hash index failed the query
+    (HTTP 500) and put a valid delete on `.errors` ("internal error: TypeError")."""
+    assert set(index_keys(10**20)) & set(index_keys(1e20))  # equal in a filter: 1e20 is exactly 10**20
+    assert set(index_keys(2**60)) & set(index_keys(2.0**60)) and set(index_keys(str(2**60))) & set(index_keys(2.0**60))
+    assert index_keys(10**400) == [str(10**400)]  # a number no float holds: only a string can spell it
+    assert not set(index_keys(2**60 + 1)) & set(index_keys(2.0**60))  # not equal: no key in common
+    for value in (10**20, -(10**25), 2**64, 2**63, 1e300, -(2.0**70), "123456789012345678901234"):
+        orjson.dumps(index_keys(value))  # every key can be hashed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.integers(-(2**70), 2**70), st.integers(-70, 70).map(lambda e: float(2**abs(e)) * (1 if e >= 0 else -1))),
+       st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False)))
+def test_equal_numbers_of_any_size_share_an_index_key(a, b) -> None:
+    keys_a = {orjson.dumps(k) for k in index_keys(a)}
+    keys_b = {orjson.dumps(k) for k in index_keys(b)}
+    if a == b:
+        assert keys_a & keys_b, (a, b)
+
+
 @pytest.mark.parametrize(
     "text, canonical",
     [
