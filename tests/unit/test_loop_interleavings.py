@@ -247,3 +247,45 @@ def test_a_session_timeout_the_coordinator_refuses_stops_the_worker(monkeypatch,
         loop.cycle()
     consumer.script.append([Message("orders", 0, error=KafkaError(KafkaError._TRANSPORT, "broker down"))])
     loop.cycle()  # a passing error is only logged
+
+
+def test_an_input_whose_new_messages_wait_behind_another_topics_backlog_holds_expiry_back(monkeypatch, tmp_path):
+    """Audit: a delta that reached Kafka before its record's instant was fetched, but the consumer
+    handed out another topic's backlog first; the input's last end-of-partition event still said
+    "caught up", so a sweep expired the record by the clock (102 of 102 records in the audit's run),
+    and the delta became the whole record."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    t0 = now_ms() - 700  # the record's instant: t0 + 1 s, 0.3 s from now
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open", qty=1), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    consumer.highs.update({("orders", 0): 1, ("orders.delta", 0): 1})  # the delta (t0 + 600) is fetched, not handed out
+    for _ in range(5):  # the instant passes while the loop goes on (no stall)
+        time.sleep(0.1)
+        loop.cycle()
+    consumer.script.append([Message("orders.delta", 0, 0, _record(1, qty=2), t0 + 600), end_of("orders.delta", 0, 1)])
+    loop.cycle()
+    sow = [orjson.loads(v) if v else None for topic, _, _, v in producers[-1].delivered if topic == "orders.sow"]
+    assert sow[:2] == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}]
+    assert not [v for topic, _, _, v in producers[-1].delivered if topic == "EXP.orders" and orjson.loads(v)["qty"] == 1]
+
+
+def test_an_input_left_with_an_open_transaction_holds_expiry_back_no_longer_than_the_idle_bound(monkeypatch, tmp_path):
+    """An input's end moved past its last end event and nothing comes (a producer that died with a
+    transaction open): expiry waits for it `max_idle_ms` at most, not until the broker aborts it."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, max_idle_ms=200, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    t0 = now_ms() - 2_000  # due already
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    consumer.highs.update({("orders", 0): 1, ("orders.repartition", 0): 3})
+    loop.cycle()
+    time.sleep(0.05)
+    loop.cycle()
+    assert not [t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]  # held while it may still come
+    time.sleep(0.25)
+    loop.cycle()
+    assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1

@@ -184,6 +184,7 @@ class Task:
     fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
     filed_at: float = field(default_factory=time.monotonic)  # when a message of its inputs was last filed (monotonic)
     ends: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset its last end-of-partition event gave per input
+    unseen_since: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # when an input caught up was first found to have more (monotonic; 0: not found)
     store: PartitionStore | None = None
     restored: bool = False
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
@@ -642,6 +643,7 @@ class SowLoop:
                     if found is not None:
                         found[0].at_end[found[1]] = True
                         found[0].ends[found[1]] = msg.offset()
+                        found[0].unseen_since[found[1]] = 0.0
                 elif err.fatal():
                     raise KafkaException(err)
                 elif err.code() in _REFUSED_SETTINGS:
@@ -851,21 +853,46 @@ class SowLoop:
 
     def _expiry_clock(self, task: Task, now: int) -> int:
         """The instant up to which a partition's records may expire now: `now` when its inputs are
-        caught up, else the time of the next input to apply (or, none fetched yet, of the last one
-        filed), so an update or a delete that reached Kafka before a record's instant finds it there
-        however far behind the worker is (as `ksow snapshot`'s fold has it). An input that stays
-        behind longer than `max_idle_ms` (as the order merge) no longer holds expiry back."""
-        heads = [q[0][0] for q in task.queues if q]
-        if heads:
-            head = min(heads)
-            return head if head < now else now
+        caught up, else the time of the next input to apply (the first queued of each input; for
+        one behind with none queued, the last it filed: a later message has a later timestamp), so
+        an update or a delete that reached Kafka before a record's instant finds it there however
+        far behind the worker is (as `ksow snapshot`'s fold has it). An input that has more on the
+        broker than its last end-of-partition event said is behind too: its new messages may be
+        fetched and waiting behind other topics' backlog in the consumer. An input that stays
+        behind with nothing filed for `max_idle_ms` (as the order merge) no longer holds expiry back."""
+        clock = now
         paused = self._paused
-        if all(task.at_end) and not any(tp in paused for tp in task.inputs):
-            return now
-        if (time.monotonic() - task.filed_at) * 1000 >= self.settings.max_idle_ms:
-            return now  # behind, but nothing came for that long: not a backlog being worked off
-        top = max(task.tops)
-        return top if top < now else now
+        idle_ms = self.settings.max_idle_ms
+        for rank, q in enumerate(task.queues):
+            if q:
+                bound = q[0][0]
+            elif not task.at_end[rank] or task.inputs[rank] in paused:
+                if (time.monotonic() - task.filed_at) * 1000 >= idle_ms:
+                    continue  # behind, but nothing came for that long: not a backlog being worked off
+                bound = task.tops[rank]
+            elif self._has_unseen(task, rank, idle_ms):
+                bound = task.tops[rank]
+            else:
+                continue
+            if bound < clock:
+                clock = bound
+        return clock
+
+    def _has_unseen(self, task: Task, rank: int, idle_ms: int) -> bool:
+        """Whether an input caught up has messages past its last end-of-partition event (the end the
+        consumer learnt from its last fetch: no request). An open transaction of its producer counts
+        (its messages may be older than the ones after it) for `idle_ms` at most: one left open by a
+        producer that died must not hold the partition's expiry back until the broker aborts it."""
+        topic, p = task.inputs[rank]
+        high = self.consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)[1]
+        if high <= task.ends[rank]:
+            return False
+        mono = time.monotonic()
+        since = task.unseen_since[rank]
+        if not since:
+            task.unseen_since[rank] = mono
+            return True
+        return (mono - since) * 1000 < idle_ms
 
     # commit ---------------------------------------------------------------------------------
     def _commit(self, out: _Batch, offsets: dict[tuple[str, int], int], applied: Counter, rewind: bool = True) -> bool:
