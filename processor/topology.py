@@ -145,6 +145,11 @@ class SowTopic(BaseModel):
             raise ValueError(f"capacity {self.capacity} is below partitions {self.partitions}: capacity is split over the partitions")
         if self.message_type is MessageType.AVRO and not self.schema_:
             raise ValueError("message_type avro needs schema: schemas/<file>.avsc")
+        if self.capacity and self.persistence is Persistence.TRANSIENT:
+            raise ValueError("capacity: a transient topic keeps no records to count (make it memory or persistent)")
+        if self.dead_event_topic and self.dead_event_topic.lower() == "none":
+            raise ValueError("dead_event_topic: records removed by capacity always go to a dead event topic "
+                             f"(omit it for {self.topic}.dead); 'none' would be a Kafka topic of that name")
         return self
 
     @cached_property
@@ -324,6 +329,9 @@ class Topology(BaseModel):
                 raise ValueError(f"views[{i}].name: {view.name!r} is defined twice")
             if view.name in names:
                 raise ValueError(f"views[{view.name}].name: {view.name!r} is also a SOW topic (view names must differ from SOW topic names)")
+            if self.sow[names.index(view.topic)].persistence is Persistence.TRANSIENT:
+                raise ValueError(f"views[{view.name}].topic: {view.topic!r} is transient: it keeps no SOW, and a view needs "
+                                 "the record before a change to tell when it leaves the filter (make the topic memory or persistent)")
         self._check_topic_roles()
         if self.replication_factor and self.min_insync_replicas and self.min_insync_replicas > self.replication_factor:
             raise ValueError(f"min_insync_replicas {self.min_insync_replicas} is above replication_factor {self.replication_factor}")

@@ -248,10 +248,13 @@ class SowPartition:
         return expired, oldest
 
     def purge(self, records: Iterable[tuple[str, SowRecord]], now: int, out: list) -> None:
-        """Remove the given records, telling the world (a `simple` SOW does not survive a restart)."""
+        """Remove the given records, telling the world (a `simple` SOW does not survive a restart):
+        those past their instant expire (on `EXP.`, as they would have had their owner lived), the
+        others are deleted."""
+        expires = self.policy.active
         for key, record in list(records):
             self.state.remove(key)
-            self._removed(Op.DELETE, key, record, now, out)
+            self._removed(Op.EXPIRE if expires and is_due(record.expires_at, now) else Op.DELETE, key, record, now, out)
 
     def reseed(self, records: Iterable[tuple[str, SowRecord]], out: list) -> None:
         """Write the records back to a `.sow` changelog that lost them (deleted and recreated): the same

@@ -41,6 +41,8 @@ def test_contract_example():
     ({"topic": "orders", "max_expiration": "0s"}, "sow[orders].max_expiration: Value error, must be a positive duration"),
     ({"topic": "orders", "min_expiration": -1}, "sow[orders].min_expiration"),
     ({"topic": "orders", "max_expiration": "-5s"}, "sow[orders].max_expiration"),
+    ({"topic": "orders", "persistence": "transient", "capacity": 10}, "capacity: a transient topic keeps no records"),
+    ({"topic": "orders", "dead_event_topic": "None"}, "'none' would be a Kafka topic of that name"),
 ])
 def test_errors_name_topic_and_field(entry, message):
     with pytest.raises(TopologyError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -52,6 +54,9 @@ def test_view_errors():
         parse_topology({"sow": [{"topic": "t"}], "views": [{"name": "v", "topic": "t", "options": ["bogus"]}]})
     with pytest.raises(TopologyError, match="unknown SOW topic"):
         parse_topology({"sow": [{"topic": "t"}], "views": [{"name": "v", "topic": "nope"}]})
+    # audit: over a transient topic a view kept a record on <view>.sow after it left the filter
+    with pytest.raises(TopologyError, match=r"views\[v\]\.topic: 't' is transient: it keeps no SOW"):
+        parse_topology({"sow": [{"topic": "t", "persistence": "transient"}], "views": [{"name": "v", "topic": "t"}]})
 
 
 def test_expiry_topic_none_and_missing_file(tmp_path):
