@@ -231,13 +231,7 @@ class Client:
             compile_filter(filter)  # raises FilterError pointing at the position
             headers.append((H.FILTER, filter.encode()))
         elif keys:
-            if isinstance(keys, str):
-                raise ClientError("keys must be a list of SowKeys, not one string")
-            for key in keys:
-                try:
-                    validate_user_key(key)
-                except KeyError_ as exc:
-                    raise ClientError(str(exc)) from None
+            _check_keys(keys)
             headers.append((H.KEYS, ",".join(keys).encode()))
         elif data is not None:
             value, record = self._encode(spec, data)
@@ -351,6 +345,8 @@ class Client:
         """
         topic, filter, select = self._through_view(topic, filter, select, order_by)
         spec = self.spec(topic)
+        if keys:
+            _check_keys(keys)  # one that is no SowKey would match nothing, without a word
         query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
         if filter:
             from processor.core.filters import compile_filter
@@ -572,6 +568,17 @@ class Client:
                     return
         finally:
             consumer.close()
+
+
+def _check_keys(keys: list[str]) -> None:
+    """SowKeys a caller gave (a delete's, a query's): a list of Base64 texts; raises ClientError."""
+    if isinstance(keys, str):
+        raise ClientError("keys must be a list of SowKeys, not one string")
+    for key in keys:
+        try:
+            validate_user_key(key)
+        except KeyError_ as exc:
+            raise ClientError(str(exc)) from None
 
 
 def _by_seq(item: tuple) -> int:

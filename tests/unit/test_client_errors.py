@@ -123,3 +123,17 @@ def test_a_record_nested_past_the_bound_is_refused_by_the_client_as_by_the_worke
     with pytest.raises(ClientError, match="deeper than 200 levels"):
         client.publish("orders", '{"order_id": 1, "a": ' + "[" * 200 + "1" + "]" * 200 + "}")
     assert client._producer is None
+
+
+def test_keys_that_are_no_sowkeys_are_refused_by_a_query_as_by_a_delete():
+    """Audit: `ksow query --keys 'a b'` matched nothing without a word, where delete refused it."""
+    import pytest
+
+    from processor.client.sow_client import ClientError
+
+    client = Client("127.0.0.1:1")
+    for call in (client.query, client.delete):
+        with pytest.raises(ClientError, match="Base64"):
+            call("orders", keys=["10646205654257188313", "a b"])
+        with pytest.raises(ClientError, match="a list of SowKeys, not one string"):
+            call("orders", keys="10646205654257188313")
