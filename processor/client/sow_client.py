@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -360,19 +362,19 @@ class Client:
         return [SowEntry(r["sow_key"], r.get("seq"), r.get("expires_at"), r["record"]) for r in rows]
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
-        from concurrent.futures import ThreadPoolExecutor
-
         params = orjson.dumps(query.to_params())
+        everything = set(range(spec.partitions))
         for attempt in range(attempts):
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
             ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, body=params)  # noqa: E731
-            with ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
-                answers = list(pool.map(ask, workers))
             covered: set[int] = set()
             rows: dict[str, dict] = {}
-            for worker, answer in zip(workers, answers):
+            # Answers are taken as they come, and once they cover every partition the query is
+            # answered: a worker that stopped (SIGSTOP, a stall) while the group moved its
+            # partitions to the others does not hold it up for the HTTP timeout.
+            for worker, answer in _as_answered(workers, ask):
                 if isinstance(answer, dict) and isinstance(answer.get("error"), str):
                     raise ClientError(f"worker {worker['url']}: {answer['error']}")
                 if not _valid_answer(answer):
@@ -383,8 +385,8 @@ class Client:
                 covered |= fresh
                 for row in answer["results"]:
                     rows.setdefault(row["sow_key"], row)
-            if covered >= set(range(spec.partitions)):
-                return order_and_cut(list(rows.values()), query, lambda r: r["record"])
+                if covered >= everything:
+                    return order_and_cut(list(rows.values()), query, lambda r: r["record"])
             time.sleep(0.5 * (attempt + 1))  # a rebalance is moving partitions: ask again
         return None
 
@@ -660,6 +662,16 @@ def _apply_change(state: dict, change: SowMessage, policy: ExpiryPolicy) -> tupl
     else:
         state[key] = (after, change.seq, change.expires_at)
     return op, key, change.seq, before[0] if before else None, after, change.expires_at
+
+
+def _as_answered(workers: list[dict], ask: Callable[[dict], Any]) -> Iterator[tuple[dict, Any]]:
+    """(worker, answer) as each worker answers. The askers are daemon threads: one left waiting on a
+    worker that does not answer keeps no process from exiting."""
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    for worker in workers:
+        threading.Thread(target=lambda w=worker: answers.put((w, ask(w))), daemon=True, name="ksow-query").start()
+    for _ in workers:
+        yield answers.get()
 
 
 def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0, body: bytes | None = None) -> Any:

@@ -137,3 +137,44 @@ def test_keys_that_are_no_sowkeys_are_refused_by_a_query_as_by_a_delete():
             call("orders", keys=["10646205654257188313", "a b"])
         with pytest.raises(ClientError, match="a list of SowKeys, not one string"):
             call("orders", keys="10646205654257188313")
+
+
+def test_a_query_is_answered_once_the_answers_cover_every_partition():
+    """Audit: a query just after a worker was stopped (SIGSTOP) waited the 30 s HTTP timeout for it,
+    though the group had moved its partitions to the others: the answers that cover every partition
+    are enough. Two real HTTP servers: one answers for every partition, one never answers."""
+    import http.server
+    import threading
+    import time
+
+    import orjson
+
+    class Answers(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = orjson.dumps({"partitions": list(range(8)), "results": [{"sow_key": "1", "record": {"order_id": 1}}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Stalls(Answers):
+        def do_POST(self):
+            time.sleep(20)
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) for handler in (Stalls, Answers)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = Client("127.0.0.1:1")
+    client._registry = (time.monotonic(), [{"url": f"http://127.0.0.1:{s.server_address[1]}", "topics": ["orders"]} for s in servers])
+    began = time.monotonic()
+    try:
+        rows = client.query("orders")
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
+    assert time.monotonic() - began < 5
