@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
@@ -148,6 +150,23 @@ class ScriptedProducer:
         return 0
 
 
+class ScriptedAdmin:
+    """Answers ListOffsets at once from `ends`: where the broker says each partition ends (which the
+    consumer's cached `highs` may not know yet)."""
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple[str, int], int] = {}
+        self.asked: list[list[tuple[str, int]]] = []
+
+    def list_offsets(self, request, **kwargs) -> dict:
+        self.asked.append(sorted((tp.topic, tp.partition) for tp in request))
+        answers = {}
+        for tp in request:
+            answers[tp] = Future()
+            answers[tp].set_result(SimpleNamespace(offset=self.ends.get((tp.topic, tp.partition), 0)))
+        return answers
+
+
 def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) -> tuple[SowLoop, ScriptedConsumer, list[ScriptedProducer]]:
     """A loop for one SOW topic `orders` of one partition over scripted clients; the consumers it
     makes to read its own topics find them empty, and they are never deleted and created again."""
@@ -161,7 +180,8 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     monkeypatch.setattr(loop_module, "make_consumer", lambda bootstrap, group=None, **config: consumer if group else ScriptedConsumer())
     monkeypatch.setattr(loop_module, "make_producer", make_producer)
     monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {p: (0, 0) for p in partitions})
-    monkeypatch.setattr(loop_module, "make_admin", lambda bootstrap, **config: None)
+    admin = ScriptedAdmin()
+    monkeypatch.setattr(loop_module, "make_admin", lambda bootstrap, **config: admin)
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

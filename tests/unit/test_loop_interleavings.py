@@ -17,6 +17,8 @@ from processor.runners.faust.loop import Guarantee
 from processor.state.base import IndexSpec, open_partition_store
 from processor.topology import parse_topology
 
+import processor.runners.faust.loop as loop_module
+
 from .fake_clients import Message, applied_inputs, assign, end_of, now_ms, revoke, scripted_loop
 
 
@@ -287,5 +289,51 @@ def test_an_input_left_with_an_open_transaction_holds_expiry_back_no_longer_than
     loop.cycle()
     assert not [t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]  # held while it may still come
     time.sleep(0.25)
+    loop.cycle()
+    assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1
+
+
+def _backlog() -> list:
+    """A full batch (batch_max 3) of another input's events: the consumer's own queue holds more."""
+    return [end_of("orders.repartition", 0, 0)] * 3
+
+
+def test_while_the_consumer_is_backlogged_expiry_waits_for_the_broker_to_say_an_input_ended(monkeypatch, tmp_path):
+    """Audit: with another topic's backlog growing, librdkafka fetched nothing more of an input (its
+    queue was full), so neither its end event nor its cached end knew of a delta sent before its
+    record's instant; the sweep expired the record by the clock (20 to 40 of 100 records)."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, batch_max=3, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    admin = loop_module.make_admin("scripted:9092")
+    t0 = now_ms() - 700  # the record's instant: t0 + 1 s, 0.3 s from now
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open", qty=1), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    admin.ends.update({("orders", 0): 1, ("orders.delta", 0): 1})  # the delta (t0 + 600) is on the broker, not fetched
+    for _ in range(6):  # the instant passes while the consumer hands out nothing but the backlog
+        consumer.script.append(_backlog())
+        time.sleep(0.1)
+        loop.cycle()
+    assert admin.asked and ("orders.delta", 0) in admin.asked[-1]
+    consumer.script.append([Message("orders.delta", 0, 0, _record(1, qty=2), t0 + 600), end_of("orders.delta", 0, 1)])
+    loop.cycle()
+    sow = [orjson.loads(v) if v else None for topic, _, _, v in producers[-1].delivered if topic == "orders.sow"]
+    assert sow[:2] == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}]
+
+
+def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_the_inputs_ended(monkeypatch, tmp_path):
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, batch_max=3, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    admin = loop_module.make_admin("scripted:9092")
+    t0 = now_ms() - 2_000  # due already
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    admin.ends.update({("orders", 0): 1})  # nothing more anywhere
+    for _ in range(4):
+        loop.cycle()
+        consumer.script.append(_backlog())
+        time.sleep(0.03)
     loop.cycle()
     assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1

@@ -376,6 +376,15 @@ class SowLoop:
         self._paused: set[tuple[str, int]] = set()
         self._replace_producer = False  # the transactional producer failed and is not replaced yet
         self._admin: AdminClient | None = None  # made when a restore first needs it (topic IDs)
+        # While consume() returns full batches its own queue holds more, and librdkafka fetches no
+        # partition until that queue shrinks: an input's last end event may be seconds old. The
+        # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
+        # background): `_ends_seen` holds, per input, (its end, the wall-clock ms the question was
+        # asked), and `_ends_asked` the question in flight (futures, when, what was wanted).
+        self._backlogged = False
+        self._ends_seen: dict[tuple[str, int], tuple[int, int]] = {}
+        self._ends_wanted: set[tuple[str, int]] = set()
+        self._ends_asked: tuple[dict, int, float] | None = None
         self._stop = threading.Event()
         self._next_sweep = 0.0
         self._awake_at = 0.0  # when the loop last looked at the clock (a longer gap: it was stopped, _check_awake)
@@ -607,6 +616,7 @@ class SowLoop:
             wait = min(wait, max(0.001, out.began + interval - mono))
         began = time.perf_counter()
         messages = self.consumer.consume(self.batch_max, wait)
+        self._backlogged = len(messages) >= self.batch_max
         consumed = time.perf_counter()
         _CONSUME_SECONDS.inc(consumed - began)
         if _KILLS:
@@ -826,6 +836,8 @@ class SowLoop:
                         _kill("sweep")
             if engine.conflates:
                 engine.release_views(task.p, now, out)
+        if self._ends_wanted or self._ends_asked is not None:
+            self._ask_ends()
         _SWEEP_SECONDS.inc(time.perf_counter() - began)
 
     def _check_awake(self) -> None:
@@ -872,11 +884,64 @@ class SowLoop:
                 bound = task.tops[rank]
             elif self._has_unseen(task, rank, idle_ms):
                 bound = task.tops[rank]
+            elif self._backlogged:
+                bound = self._caught_up_as_of(task, rank, idle_ms)
+                if bound is None:
+                    continue
             else:
                 continue
             if bound < clock:
                 clock = bound
         return clock
+
+    def _caught_up_as_of(self, task: Task, rank: int, idle_ms: int) -> int | None:
+        """For an input caught up by its last end event while the consumer is backlogged: the time
+        up to which the broker confirmed it had nothing more (less the grace, as the broker's and
+        this host's clocks may differ), else its last input (held back, `idle_ms` at most, as
+        `_has_unseen`); None when it need not hold expiry back."""
+        tp = task.inputs[rank]
+        self._ends_wanted.add(tp)
+        seen = self._ends_seen.get(tp)
+        if seen is not None and seen[0] == task.ends[rank]:
+            return seen[1] - self.settings.order_grace_ms
+        mono = time.monotonic()
+        since = task.unseen_since[rank]
+        if not since:
+            task.unseen_since[rank] = mono
+        elif (mono - since) * 1000 >= idle_ms:
+            return None
+        return task.tops[rank]
+
+    def _ask_ends(self) -> None:
+        """Collect the broker's answer to the last question on where inputs end, and ask again for
+        the inputs wanted since (at most every `expiry_tick_ms`; never waits)."""
+        asked = self._ends_asked
+        if asked is not None:
+            futures, at, sent = asked
+            if not all(f.done() for f in futures.values()):
+                return
+            self._ends_asked = None
+            for tp, future in futures.items():
+                try:
+                    self._ends_seen[(tp.topic, tp.partition)] = (future.result().offset, at)
+                except KafkaException as exc:
+                    log.debug("end of %s[%d]: %s", tp.topic, tp.partition, exc)
+            if time.monotonic() - sent < self.settings.expiry_tick_ms / 1000:
+                return
+        if not self._ends_wanted:
+            return
+        from confluent_kafka.admin import OffsetSpec
+
+        if self._admin is None:
+            self._admin = make_admin(self.bootstrap)
+        wanted, self._ends_wanted = self._ends_wanted, set()
+        at = time.time_ns() // 1_000_000
+        try:
+            futures = self._admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in wanted})
+        except KafkaException as exc:
+            log.debug("asking where inputs end: %s", exc)
+            return
+        self._ends_asked = (futures, at, time.monotonic())
 
     def _has_unseen(self, task: Task, rank: int, idle_ms: int) -> bool:
         """Whether an input caught up has messages past its last end-of-partition event (the end the
