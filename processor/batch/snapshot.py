@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from processor.contract import headers as H
 from processor.core.durations import _DURATION, _UNITS_MS, MAX_DURATION_MS
 from processor.core.keys import USER_KEY_JAVA_REGEX, checksum_key
-from processor.topology import MessageType, SowTopic
+from processor.topology import MessageType, Persistence, SowTopic
 
 if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a JVM
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -60,12 +60,27 @@ class SnapshotError(ValueError):
     """A snapshot that cannot be made (unknown topic, unsupported message type, bad instant)."""
 
 
+_LAST_INSTANT = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z in epoch ms
+
+
+def check_batch_topic(spec: SowTopic) -> None:
+    """Refuse, by name, the SOW topics whose history a snapshot or a replay cannot rebuild the way
+    the workers kept it (they would give a SOW the workers never held)."""
+    if spec.persistence is Persistence.TRANSIENT:
+        raise SnapshotError(f"{spec.topic} is transient: it keeps no SOW to take a snapshot or a replay of")
+    if spec.capacity:
+        raise SnapshotError(f"{spec.topic} has a capacity: which records it evicted or refused depends on every write of "
+                            "each partition in order, which a snapshot or a replay does not rebuild (query the workers instead)")
+
+
 def parse_instant(text: str | int) -> int:
     """Epoch milliseconds from epoch ms (digits) or ISO-8601 (no zone means UTC)."""
     if isinstance(text, int):
         return text
     raw = text.strip()
     if re.fullmatch(r"-?\d+", raw):
+        if len(raw.lstrip("-")) > 15 or abs(int(raw)) > _LAST_INSTANT:
+            raise SnapshotError(f"not an instant: {text!r} (epoch milliseconds up to {_LAST_INSTANT}, the end of year 9999)")
         return int(raw)
     try:
         moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
@@ -586,6 +601,7 @@ def snapshot(
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
+    check_batch_topic(spec)
     matches = _filter_udf(filter) if filter else None
     ends = ends or input_offsets(bootstrap, spec)
     if specials is None:

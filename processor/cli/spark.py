@@ -64,7 +64,10 @@ def _instant(text: str, option: str) -> int:
 
 
 def _json_default(value):
-    if isinstance(value, Decimal):
+    if isinstance(value, Decimal):  # Spark reads JSON integers past 64 bits as decimal(20,0) and wider
+        if value.as_tuple().exponent >= 0:  # a whole number (decimal(20,0)): exactly, not as a float
+            whole = int(value)
+            return whole if -(1 << 63) <= whole < 1 << 64 else str(whole)  # orjson writes 64-bit integers
         return float(value)
     if isinstance(value, (datetime, date)):
         return value.isoformat()
@@ -163,7 +166,7 @@ def sql(bootstrap, topology, master, query, out) -> None:
         for row in df.toLocalIterator():
             _write(orjson.dumps(row.asDict(recursive=True), default=_json_default))
     except Exception as exc:  # ours, or Spark's ParseException, AnalysisException & co: a message, not a trace
-        if isinstance(exc, ValueError) or type(exc).__module__.startswith("pyspark"):
+        if isinstance(exc, ValueError) or type(exc).__module__.startswith(("pyspark", "py4j")):
             raise click.ClickException(error_message(exc)) from None
         raise
 

@@ -80,3 +80,48 @@ def test_snapshot_json_lines_stay_one_line_per_record(tmp_path, capsysbinary):
         {"sow_key": "2", "expires_at": 9, "updated_at": 6, "record": {"order_id": 2}},
     ]
     assert lines[1].endswith(b'"record":{"order_id": 2}}')  # one-write records as published
+
+
+def test_a_snapshot_refuses_the_topics_whose_sow_it_cannot_rebuild():
+    """Audit: a snapshot of a topic with a capacity held every record (the worker had evicted or
+    refused some), and one of a transient topic held records the worker never kept."""
+    from processor.batch.snapshot import SnapshotError, check_batch_topic
+
+    check_batch_topic(SPEC)
+    with pytest.raises(SnapshotError, match="has a capacity"):
+        check_batch_topic(SowTopic(topic="c", key=["/id"], capacity=10, partitions=2))
+    with pytest.raises(SnapshotError, match="is transient"):
+        check_batch_topic(SowTopic(topic="t", key=["/id"], persistence="transient"))
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999", "253402300800000", "-253402300800000"])
+def test_an_instant_past_year_9999_is_refused_not_handed_to_spark(text):
+    from processor.batch.snapshot import SnapshotError, parse_instant
+
+    with pytest.raises(SnapshotError, match="end of year 9999"):
+        parse_instant(text)
+    assert parse_instant("253402300799999") == 253_402_300_799_999
+
+
+def test_sql_writes_whole_decimals_exactly():
+    """Audit: two integers past 2**63 that Spark read as decimal(20,0) came out as one float."""
+    from decimal import Decimal
+
+    from processor.cli.spark import _json_default
+
+    assert orjson.dumps([Decimal("18446744073709551615"), Decimal("18446744073709551614")], default=_json_default) == \
+        b"[18446744073709551615,18446744073709551614]"
+    assert orjson.dumps(Decimal("123456789012345678901234567890"), default=_json_default) == b'"123456789012345678901234567890"'
+    assert orjson.dumps(Decimal("12.50"), default=_json_default) == b"12.5"
+
+
+def test_the_spark_stream_refuses_a_capacity_on_an_expiring_topic():
+    """Audit: its state sees an instant only when the timer fires, so a full partition evicted a
+    live record where the worker first expires the due one."""
+    from processor.contract.errors import UnsupportedByEngine
+    from processor.runners.spark.stream import check_topology
+    from processor.topology import Topology
+
+    with pytest.raises(UnsupportedByEngine, match=r"sow\[c\]\.capacity with expiration"):
+        check_topology(Topology(sow=[SowTopic(topic="c", key=["/id"], capacity=8, expiration="enabled")]))
+    check_topology(Topology(sow=[SowTopic(topic="c", key=["/id"], capacity=8)]))

@@ -60,6 +60,10 @@ def check_topology(topology: Topology) -> None:
     for spec in topology.sow:
         if spec.persistence is Persistence.SIMPLE:
             raise UnsupportedByEngine(f"sow[{spec.topic}].persistence: simple is not supported by the spark engine (its state always survives a restart)")
+        if spec.capacity and spec.expiry.active:
+            # Its state sees an instant only when that instant's timer fires, so a full partition
+            # could not expire its due records before evicting or refusing (the worker does).
+            raise UnsupportedByEngine(f"sow[{spec.topic}].capacity with expiration is not supported by the spark engine (use the faust engine)")
     for view in topology.views:
         if view.conflation:
             raise UnsupportedByEngine(f"views[{view.name}].conflation is not supported by the spark engine (use the faust engine)")
