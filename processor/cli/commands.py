@@ -441,7 +441,7 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
     """SOW query: the current records, as JSON lines (answered by the workers)."""
     client = _client(bootstrap, topology, group, web_token)
     with _client_errors():
-        for entry in client.query(topic, filter=filter_, keys=_split(keys), select=_split(select), top=top, order_by=order_by):
+        for entry in client.query(topic, filter=filter_, keys=None if keys is None else _split(keys) or [], select=_split(select), top=top, order_by=order_by):
             _print(entry.as_dict())
 
 

@@ -347,8 +347,10 @@ class Client:
         """
         topic, filter, select = self._through_view(topic, filter, select, order_by)
         spec = self.spec(topic)
-        if keys:
+        if keys is not None:
             _check_keys(keys)  # one that is no SowKey would match nothing, without a word
+            if not keys:  # and none at all is no key filter, which would return every record
+                raise ClientError("keys names no SowKey: give at least one, or no keys to match every record")
         query = SowQuery(filter, tuple(keys or ()), tuple(select or ()), top, order_by)
         if filter:
             from processor.core.filters import compile_filter

@@ -137,6 +137,8 @@ def test_keys_that_are_no_sowkeys_are_refused_by_a_query_as_by_a_delete():
             call("orders", keys=["10646205654257188313", "a b"])
         with pytest.raises(ClientError, match="a list of SowKeys, not one string"):
             call("orders", keys="10646205654257188313")
+    with pytest.raises(ClientError, match="keys names no SowKey"):  # audit: an empty list matched every record
+        client.query("orders", keys=[])
 
 
 def test_a_query_is_answered_once_the_answers_cover_every_partition():

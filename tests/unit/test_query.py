@@ -149,6 +149,9 @@ def test_negative_top_is_refused():
     ({"fliter": "/id = 1"}, "unknown query parameter(s) fliter (known: filter, keys, select, top, order_by)"),
     ({"top": "abc"}, "top must be a whole number, got 'abc'"),
     ({"top": "1.5"}, "top must be a whole number, got '1.5'"),
+    ({"keys": ","}, "keys names no SowKey: give at least one, or leave keys out"),  # audit: it answered with every record
+    ({"keys": " "}, "keys names no SowKey: give at least one, or leave keys out"),
+    ({"keys": "12,a b"}, "sow-key 'a b' must use only Base64 characters"),
 ])
 def test_request_parameters_a_query_does_not_know_are_refused(params, says):
     """A misspelt `filter` used to be ignored: the answer was the whole SOW."""
