@@ -24,6 +24,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract.errors import InputError
+from processor.contract.limits import query_max_seconds
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
@@ -370,7 +371,10 @@ class Client:
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
-            ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, body=params)  # noqa: E731
+            # A worker answers within its query time limit or says it ran out (HTTP 503): one
+            # silent past that, and a margin, has stopped, and its partitions are asked for again.
+            wait = query_max_seconds() + 5
+            ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, timeout=wait, body=params)  # noqa: E731
             covered: set[int] = set()
             rows: dict[str, dict] = {}
             # Answers are taken as they come, and once they cover every partition the query is

@@ -180,3 +180,50 @@ def test_a_query_is_answered_once_the_answers_cover_every_partition():
             server.shutdown()
     assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
     assert time.monotonic() - began < 5
+
+
+def test_a_worker_silent_past_its_query_limit_is_given_up_and_its_partitions_asked_again(monkeypatch):
+    """Audit: a query asked just after a worker stalled waited the client's 30 s HTTP timeout for
+    it, though the worker answers within KSOW_QUERY_MAX_SECONDS or not at all; the group had moved
+    its partitions after ~10 s. Now the client gives up on it 5 s past that limit and asks again."""
+    import http.server
+    import threading
+    import time
+
+    import orjson
+
+    monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "0.2")
+
+    def handler(partitions, stall=0.0):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                time.sleep(stall)
+                body = orjson.dumps({"partitions": partitions, "results": [{"sow_key": "1", "record": {"order_id": 1}}]})
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+        return Handler
+
+    stalled = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler([0, 1, 2, 3], stall=30))
+    half = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler([4, 5, 6, 7]))
+    every = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler(list(range(8))))
+    servers = (stalled, half, every)
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = lambda server: {"url": f"http://127.0.0.1:{server.server_address[1]}", "topics": ["orders"]}  # noqa: E731
+    client = Client("127.0.0.1:1")
+    # The registry first lists the stalled worker beside one serving the other half; read again, the
+    # group has moved the stalled worker's partitions.
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [url(every)] if fresh else [url(stalled), url(half)])
+    began = time.monotonic()
+    try:
+        rows = client.query("orders")
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert [row.record for row in rows] == [{"order_id": 1}]
+    assert time.monotonic() - began < 12  # 5.2 s for the stalled worker, then the fresh registry's answer
