@@ -44,7 +44,7 @@ from functools import partial
 from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, ConfigError
@@ -184,7 +184,7 @@ class Task:
     fetched: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset after the last message filed per input (-1: none since the assignment or a rollback)
     filed_at: float = field(default_factory=time.monotonic)  # when a message of its inputs was last filed (monotonic)
     ends: list[int] = field(default_factory=lambda: [-1, -1, -1])  # the offset its last end-of-partition event gave per input
-    unseen_since: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # when an input caught up was first found to have more (monotonic; 0: not found)
+    unseen_since: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # when an input caught up was first found to have more, or not confirmed to have nothing more (monotonic; 0: neither)
     store: PartitionStore | None = None
     restored: bool = False
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
@@ -380,7 +380,8 @@ class SowLoop:
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
         # background): `_ends_seen` holds, per input, (its end, the wall-clock ms the question was
-        # asked), and `_ends_asked` the question in flight (futures, when, what was wanted).
+        # asked), `_ends_wanted` the inputs to ask about next, and `_ends_asked` the question in
+        # flight (its futures, the wall-clock ms and the monotonic instant it was asked).
         self._backlogged = False
         self._ends_seen: dict[tuple[str, int], tuple[int, int]] = {}
         self._ends_wanted: set[tuple[str, int]] = set()
@@ -930,8 +931,6 @@ class SowLoop:
                 return
         if not self._ends_wanted:
             return
-        from confluent_kafka.admin import OffsetSpec
-
         if self._admin is None:
             self._admin = make_admin(self.bootstrap)
         wanted, self._ends_wanted = self._ends_wanted, set()

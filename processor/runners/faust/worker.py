@@ -66,7 +66,7 @@ class LoopService(mode.Service):
         self._done: asyncio.Future | None = None
         self.refused: KsowError | None = None  # why the loop stopped, when a setting or the cluster refused it
         self.stop_worker: Callable[[], Awaitable] | None = None  # the worker's stop (SowWorker.run sets it)
-        self._stopping: asyncio.Future | None = None
+        self._stopping: asyncio.Future | None = None  # that stop, once begun (held: asyncio keeps only weak references to tasks)
 
     async def on_start(self) -> None:
         self._done = asyncio.get_running_loop().run_in_executor(None, self.sow_loop.run)
@@ -157,8 +157,8 @@ class SowWorker:
         worker.spinner = None
         try:
             worker.execute_from_commandline()
-        except SystemExit as exit:
-            if service.refused is not None and not exit.code:
+        except SystemExit as status:
+            if service.refused is not None and not status.code:
                 raise SystemExit(1) from None
             raise
 
