@@ -32,7 +32,7 @@ from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_
 from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
-from processor.core.keys import KeyError_, validate_user_key
+from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.paths import split_path, within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
@@ -582,11 +582,10 @@ def _check_keys(keys: list[str]) -> None:
     """SowKeys a caller gave (a delete's, a query's): a list of Base64 texts; raises ClientError."""
     if isinstance(keys, str):
         raise ClientError("keys must be a list of SowKeys, not one string")
-    for key in keys:
-        try:
-            validate_user_key(key)
-        except KeyError_ as exc:
-            raise ClientError(str(exc)) from None
+    try:
+        validate_user_keys(keys)
+    except KeyError_ as exc:
+        raise ClientError(str(exc)) from None
 
 
 def _by_seq(item: tuple) -> int:

@@ -27,7 +27,7 @@ import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 
@@ -164,6 +164,11 @@ def validate_user_key(key: str) -> SowKey:
         shown = repr(key) if len(key) <= 80 else f"{key[:40]!r}..."
         raise KeyError_(f"sow-key {shown} must use only Base64 characters")
     return key
+
+
+def validate_user_keys(keys: Iterable[str]) -> list[SowKey]:
+    """SowKeys a caller gave (a delete's or a query's keys); KeyError_ names the first bad one."""
+    return [validate_user_key(key) for key in keys]
 
 
 _WORDS = [struct.Struct(f"<{n}I") for n in range(64)]  # little-endian 32-bit words of short keys

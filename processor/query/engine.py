@@ -18,7 +18,7 @@ from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import Filter, compile_filter, spelled_number
-from processor.core.keys import KeyError_, validate_user_key
+from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.paths import MISSING, PathError, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore
@@ -55,11 +55,10 @@ class SowQuery:
         keys = split("keys")
         if "keys" in params and not keys:  # not a key filter: it would answer with every record
             raise QueryError("keys names no SowKey: give at least one, or leave keys out")
-        for key in keys:
-            try:
-                validate_user_key(key)
-            except KeyError_ as exc:
-                raise QueryError(str(exc)) from None
+        try:
+            validate_user_keys(keys)
+        except KeyError_ as exc:
+            raise QueryError(str(exc)) from None
         return cls(params.get("filter") or None, keys, split("select"), top, params.get("order_by") or None)
 
     def to_params(self) -> dict[str, str]:

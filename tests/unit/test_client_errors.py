@@ -141,60 +141,20 @@ def test_keys_that_are_no_sowkeys_are_refused_by_a_query_as_by_a_delete():
         client.query("orders", keys=[])
 
 
-def test_a_query_is_answered_once_the_answers_cover_every_partition():
-    """Audit: a query just after a worker was stopped (SIGSTOP) waited the 30 s HTTP timeout for it,
-    though the group had moved its partitions to the others: the answers that cover every partition
-    are enough. Two real HTTP servers: one answers for every partition, one never answers."""
-    import http.server
-    import threading
-    import time
+class _Workers:
+    """Real HTTP servers standing in for workers' /sow endpoints: each answers for the given
+    partitions with one record, after `stall` seconds."""
 
-    import orjson
+    def __init__(self) -> None:
+        self.servers: list = []
 
-    class Answers(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = orjson.dumps({"partitions": list(range(8)), "results": [{"sow_key": "1", "record": {"order_id": 1}}]})
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def start(self, partitions: list[int], stall: float = 0.0) -> dict:
+        import http.server
+        import threading
+        import time
 
-        def log_message(self, *args):
-            pass
+        import orjson
 
-    class Stalls(Answers):
-        def do_POST(self):
-            time.sleep(20)
-
-    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) for handler in (Stalls, Answers)]
-    for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = Client("127.0.0.1:1")
-    client._registry = (time.monotonic(), [{"url": f"http://127.0.0.1:{s.server_address[1]}", "topics": ["orders"]} for s in servers])
-    began = time.monotonic()
-    try:
-        rows = client.query("orders")
-    finally:
-        for server in servers:
-            server.shutdown()
-    assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
-    assert time.monotonic() - began < 5
-
-
-def test_a_worker_silent_past_its_query_limit_is_given_up_and_its_partitions_asked_again(monkeypatch):
-    """Audit: a query asked just after a worker stalled waited the client's 30 s HTTP timeout for
-    it, though the worker answers within KSOW_QUERY_MAX_SECONDS or not at all; the group had moved
-    its partitions after ~10 s. Now the client gives up on it 5 s past that limit and asks again."""
-    import http.server
-    import threading
-    import time
-
-    import orjson
-
-    monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "0.2")
-
-    def handler(partitions, stall=0.0):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 time.sleep(stall)
@@ -206,24 +166,52 @@ def test_a_worker_silent_past_its_query_limit_is_given_up_and_its_partitions_ask
 
             def log_message(self, *args):
                 pass
-        return Handler
 
-    stalled = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler([0, 1, 2, 3], stall=30))
-    half = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler([4, 5, 6, 7]))
-    every = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler(list(range(8))))
-    servers = (stalled, half, every)
-    for server in servers:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = lambda server: {"url": f"http://127.0.0.1:{server.server_address[1]}", "topics": ["orders"]}  # noqa: E731
+        self.servers.append(server)
+        return {"url": f"http://127.0.0.1:{server.server_address[1]}", "topics": ["orders"]}
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+
+
+def test_a_query_is_answered_once_the_answers_cover_every_partition():
+    """Audit: a query just after a worker was stopped (SIGSTOP) waited the 30 s HTTP timeout for it,
+    though the group had moved its partitions to the others: the answers that cover every partition
+    are enough. One worker answers for every partition, one never answers."""
+    import time
+
+    workers = _Workers()
     client = Client("127.0.0.1:1")
-    # The registry first lists the stalled worker beside one serving the other half; read again, the
-    # group has moved the stalled worker's partitions.
-    monkeypatch.setattr(client, "_workers", lambda fresh=False: [url(every)] if fresh else [url(stalled), url(half)])
+    client._registry = (time.monotonic(), [workers.start(list(range(8)), stall=20), workers.start(list(range(8)))])
     began = time.monotonic()
     try:
         rows = client.query("orders")
     finally:
-        for server in servers:
-            server.shutdown()
+        workers.stop()
+    assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
+    assert time.monotonic() - began < 5
+
+
+def test_a_worker_silent_past_its_query_limit_is_given_up_and_its_partitions_asked_again(monkeypatch):
+    """Audit: a query asked just after a worker stalled waited the client's 30 s HTTP timeout for
+    it, though the worker answers within KSOW_QUERY_MAX_SECONDS or not at all; the group had moved
+    its partitions after ~10 s. Now the client gives up on it 5 s past that limit and asks again."""
+    import time
+
+    monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "0.2")
+    workers = _Workers()
+    stalled, half, every = workers.start([0, 1, 2, 3], stall=30), workers.start([4, 5, 6, 7]), workers.start(list(range(8)))
+    client = Client("127.0.0.1:1")
+    # The registry first lists the stalled worker beside one serving the other half; read again, the
+    # group has moved the stalled worker's partitions.
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [every] if fresh else [stalled, half])
+    began = time.monotonic()
+    try:
+        rows = client.query("orders")
+    finally:
+        workers.stop()
     assert [row.record for row in rows] == [{"order_id": 1}]
     assert time.monotonic() - began < 12  # 5.2 s for the stalled worker, then the fresh registry's answer
