@@ -46,12 +46,16 @@ def _setup(bootstrap: str | None, topology: str | None, master: str, app: str):
 
 
 def _spec(topo, topic: str):
+    """The topic a snapshot or a replay rebuilds, or a clear error before any JVM starts."""
+    from processor.batch.snapshot import SnapshotError, check_batch_topic
     from processor.topology import TopologyError
 
     try:
-        return topo.topic(topic)
-    except TopologyError as exc:
+        spec = topo.topic(topic)
+        check_batch_topic(spec)
+    except (TopologyError, SnapshotError) as exc:
         raise click.ClickException(str(exc)) from None
+    return spec
 
 
 def _instant(text: str, option: str) -> int:

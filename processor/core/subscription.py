@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from processor.contract.types import Op
 from processor.core.merge import diff, has_data_changes, merge
-from processor.core.paths import project, project_changes, split_path
+from processor.core.paths import project, project_changes, split_path, within
 
 Predicate = Callable[[dict], bool]
 _INSERT = Op.INSERT.value
@@ -35,7 +35,7 @@ class SubscriptionSpec:
     def __post_init__(self) -> None:
         paths = [split_path(p) for p in self.select]
         # A path inside another selected one adds nothing, and would undo the removal that one tells.
-        self._select_split = [p for p in paths if not any(len(q) < len(p) and p[: len(q)] == q for q in paths)]
+        self._select_split = [p for p in paths if not within(p, [q for q in paths if len(q) < len(p)])]
 
     def matches(self, record: dict | None) -> bool:
         return record is not None and bool(self.filter(record))

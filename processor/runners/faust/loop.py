@@ -905,13 +905,7 @@ class SowLoop:
         seen = self._ends_seen.get(tp)
         if seen is not None and seen[0] == task.ends[rank]:
             return seen[1] - self.settings.order_grace_ms
-        mono = time.monotonic()
-        since = task.unseen_since[rank]
-        if not since:
-            task.unseen_since[rank] = mono
-        elif (mono - since) * 1000 >= idle_ms:
-            return None
-        return task.tops[rank]
+        return task.tops[rank] if self._still_holds(task, rank, idle_ms) else None
 
     def _ask_ends(self) -> None:
         """Collect the broker's answer to the last question on where inputs end, and ask again for
@@ -949,8 +943,12 @@ class SowLoop:
         producer that died must not hold the partition's expiry back until the broker aborts it."""
         topic, p = task.inputs[rank]
         high = self.consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)[1]
-        if high <= task.ends[rank]:
-            return False
+        return high > task.ends[rank] and self._still_holds(task, rank, idle_ms)
+
+    @staticmethod
+    def _still_holds(task: Task, rank: int, idle_ms: int) -> bool:
+        """Whether an input caught up by its last end event but not known to have nothing more still
+        holds expiry back: for `idle_ms` from when it was first found so (until its next end event)."""
         mono = time.monotonic()
         since = task.unseen_since[rank]
         if not since:
