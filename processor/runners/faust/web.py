@@ -17,7 +17,7 @@ import ipaddress
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 from aiohttp.http_exceptions import BadHttpMessage
@@ -31,8 +31,23 @@ from processor.runners.faust import metrics
 
 CHECK_S = 0.25  # how often the served partitions are compared with the last announcement
 
-if TYPE_CHECKING:
-    from processor.runners.faust.worker import WorkerView
+
+
+class WorkerView(Protocol):
+    """What the HTTP side may see of a worker: read-only, none of the loop's Kafka clients (the worker
+    hands one in: processor.runners.faust.worker.LoopView)."""
+
+    group: str
+
+    def topics(self) -> list[str]: ...
+
+    def engine(self, topic: str): ...
+
+    def served(self, topic: str) -> list[int]: ...
+
+    def stores(self, topic: str): ...
+
+    def announce(self, key: bytes, value: bytes) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -121,7 +136,7 @@ def _json(view, body: dict, status: int = 200, headers: dict | None = None):
     return view.bytes(orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-def install_web(worker: "WorkerView", app, settings: WebSettings) -> None:
+def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
     """Serve /sow/{topic} and /metrics, announce the worker in the registry, and configure Faust's
     web server (bind address, TLS) from the settings."""
     app.conf.web_bind = web_bind_address(settings)

@@ -131,7 +131,7 @@ class SowWorker:
             web_host=self.web.host,
             web_port=self.web.port,
         )
-        install_web(WorkerView(self), app, self.web)
+        install_web(LoopView(self), app, self.web)
         return app
 
     def create_topics(self) -> None:
@@ -163,8 +163,9 @@ class SowWorker:
             raise
 
 
-class WorkerView:
-    """What the HTTP side may see of a worker: read-only, no Kafka clients of the loop."""
+class LoopView:
+    """The web side's WorkerView of this worker: its loop's engines and stores, read-only, and a
+    small producer of its own for the registry."""
 
     def __init__(self, worker: SowWorker):
         self.group = worker.group
