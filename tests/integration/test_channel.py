@@ -60,6 +60,33 @@ def test_persistence_across_restart(kafka_bootstrap, unique_name, tmp_path, mode
         w2.kill()
 
 
+def test_a_simple_sow_keeps_what_a_rebalance_leaves_with_its_worker(kafka_bootstrap, unique_name, tmp_path):
+    """A second worker joins: the partition it takes starts empty (deletes on `.sow`), the one the
+    first worker keeps is restored from the store it still holds, not purged."""
+    topic = unique_name
+    w1, client = start(kafka_bootstrap, tmp_path, topic, persistence="simple", partitions=2)
+    w2 = Worker(kafka_bootstrap, tmp_path / f"{topic}.yaml", f"g-{topic}", tmp_path / "d2", "w2")
+    try:
+        load(client, topic, 20)
+        wait_until(lambda: ids(client, topic) == list(range(20)))
+        key_of = {i: client.spec(topic).key_spec.sow_key({"id": i}) for i in range(20)}
+        owner = {i: owner_partition(key, 2) for i, key in key_of.items()}
+        w2.start()
+        restored = re.compile(rf"restored {re.escape(topic)} partition (\d+)")
+        moved = {int(p) for p in wait_until(lambda: restored.findall(w2.log()), what="w2 restores a partition")}
+        kept = {0, 1} - moved
+        assert len(moved) == 1 and len(kept) == 1
+        (p_kept,) = kept
+        w1.wait_for(f"restored {topic} partition {p_kept}", 60, count=2)  # restored again after the rebalance
+        expected = sorted(i for i in range(20) if owner[i] in kept)
+        wait_until(lambda: ids(client, topic) == expected, what="the moved partition emptied, the kept one whole")
+        deleted = {m.key().decode() for m in read_all(kafka_bootstrap, f"{topic}.sow", 2) if headers_of(m).get("sow-op") == "delete"}
+        assert deleted == {key_of[i] for i in range(20) if owner[i] in moved}
+    finally:
+        w2.kill()
+        w1.kill()
+
+
 def test_transient_relays_without_merging(kafka_bootstrap, unique_name, tmp_path):
     topic = unique_name
     w, client = start(kafka_bootstrap, tmp_path, topic, persistence="transient")

@@ -1126,6 +1126,10 @@ class SowLoop:
     def _restore(self, task: Task, now: int, out: list) -> None:
         spec = task.engine.spec
         store = task.store or self._parked.pop(task.name, None)
+        # A store this process still holds (an eager rebalance gave the partition back, or an abort
+        # restores it again) never changed hands: what another owner did meanwhile, its purge
+        # included, is on the changelog the replay reads.
+        changed_hands = store is None
         if store is None:
             if spec.persistence is Persistence.PERSISTENT:
                 store = open_partition_store("rocksdb", str(self.data_dir / "sow" / spec.topic / f"p{task.p}"), task.engine.indexes)
@@ -1140,7 +1144,7 @@ class SowLoop:
             log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
             if reseed:
                 partition.reseed(store.records(), out)
-            if spec.persistence is Persistence.SIMPLE:
+            if spec.persistence is Persistence.SIMPLE and changed_hands:
                 partition.purge(store.records(), now, out)  # a `simple` SOW does not survive its owner: `.sow` is told
         if task.engine.conflates:
             self._read_holds(task)
