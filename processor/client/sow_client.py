@@ -322,11 +322,21 @@ class Client:
             seq = change[2]
             if seq is not None and partition_of(seq) == msg.partition():
                 read.advance(seq)
-                if after is not None and after.is_new(seq):
+                if after is None:
+                    continue
+                if parsed.record is not None and change[4] is None:
+                    # A version past its instant with no worker's expiry on `.sow` yet: the
+                    # subscriber may hold it (given before the bookmark), and is told it expired.
+                    since[change[1]] = (*change[:3], parsed.record, *change[4:])
+                elif after.is_new(seq):
                     since[change[1]] = change
+                else:  # a later version before the bookmark: the subscriber has it
+                    since.pop(change[1], None)
         now = _now_ms()
         for key in [k for k, (_, _, expires) in state.items() if not spec.expiry.is_live(expires, now)]:
-            del state[key]
+            record, seq, expires = state.pop(key)
+            if after is not None:  # the subscriber may hold it (changed before the bookmark or after): it expired
+                since[key] = (Op.EXPIRE, key, seq, record, None, expires)
         return state, ends, consumer, sorted(since.values(), key=lambda c: c[2]), read
 
     def query(
@@ -506,10 +516,10 @@ class Client:
         try:
             if after is not None:
                 at = after.copy()
-                for op, key, seq, _, record, expires in since:
+                for op, key, seq, before, record, expires in since:
                     at.advance(seq)
                     for i, feed in enumerate(feeds):
-                        event = feed.sub.resumed(op, key, seq, record, expires)
+                        event = feed.sub.resumed(op, key, seq, record, expires, before)
                         if event is not None:
                             event["bookmark"] = str(at)
                             yield i, event

@@ -71,13 +71,20 @@ class SubscriptionSpec:
             return None
         return self.event("sow", key, seq, self.shape(record), expires_at)
 
-    def resumed(self, op: Op, key: str, seq: int | None, record: dict | None, expires_at: int | None = None) -> dict | None:
+    def resumed(self, op: Op, key: str, seq: int | None, record: dict | None, expires_at: int | None = None,
+                before: dict | None = None) -> dict | None:
         """The event for a record's last change after a resume's bookmark: its current version
         whole, as op "sow" (as in a snapshot: it replaces what the subscriber holds, whether it had
         the record or not, and a delta subscriber tells it from the live deltas after it); a removal,
-        with no record; with oof, an oof for one that does not match now (it may have left meanwhile)."""
+        with no record (with no_sowkey, the key fields of `before`, the version removed, say which
+        record went; without them the SowKey does); with oof, an oof for one that does not match now
+        (it may have left meanwhile)."""
         if record is None:
-            return self.event(op.value, key, seq, None)
+            if not self.no_sowkey:
+                return self.event(op.value, key, seq, None)
+            if before is not None and self.key_paths:
+                return self.event(op.value, key, seq, project(before, list(self.key_paths)))
+            return {**self.event(op.value, key, seq, None), "sow_key": key}
         if self.matches(record):
             return self.event("sow", key, seq, self.shape(record), expires_at)
         if self.oof:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +193,36 @@ def test_subscriber_resumes_after_a_bookmark(kafka_bootstrap, unique_name, tmp_p
         assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     finally:
         w.kill()
+
+
+def test_a_resume_tells_records_that_expired_unswept_as_expired(kafka_bootstrap, unique_name, tmp_path):
+    """Audit: records past their instant that no worker had expired yet (here: none runs) were
+    left out of a resume's state without a word: one changed after the bookmark came as op "sow",
+    one the subscriber held from before it was never told gone, and the worker's expire tombstone
+    later found nothing to tell. Each now comes as an expire; a live record as "sow"."""
+    topic = unique_name
+    w, client = start(kafka_bootstrap, tmp_path, topic, expiration="enabled")
+    try:
+        client.publish(topic, {"id": 0, "v": 0})  # never expires
+        for i in (1, 2):
+            client.publish(topic, {"id": i, "v": 0}, expiration="3s")
+        client.flush()
+        wait_until(lambda: ids(client, topic) == [0, 1, 2])
+        bookmark = list(client.subscribe(topic, sow=True, timeout=1))[-1]["bookmark"]
+        client.publish(topic, {"id": 3, "v": 0}, expiration="3s")
+        client.publish(topic, {"id": 0, "v": 1})
+        client.flush()
+        wait_until(lambda: ids(client, topic) == [0, 1, 2, 3])
+    finally:
+        w.kill()  # nothing sweeps from here
+    time.sleep(3.5)
+    events = list(client.subscribe(topic, after=bookmark, timeout=1))
+    key_of = {client.spec(topic).key_spec.sow_key({"id": i}): i for i in range(4)}
+    got = sorted((key_of[e["sow_key"]], e["op"], e["record"]) for e in events)
+    assert got == [(0, "sow", {"id": 0, "v": 1}), (1, "expire", None), (2, "expire", None), (3, "expire", None)]
+    quiet = list(client.subscribe(topic, after=bookmark, no_sowkey=True, oof=True, timeout=1))
+    assert sorted((e["op"], orjson.dumps(e["record"])) for e in quiet if e["op"] == "expire") == [
+        ("expire", b'{"id":1}'), ("expire", b'{"id":2}'), ("expire", b'{"id":3}')]  # no SowKey: the key fields say which
 
 
 def test_a_resume_misses_nothing_the_subscriber_was_not_given(kafka_bootstrap, unique_name, tmp_path):

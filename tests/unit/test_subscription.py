@@ -208,3 +208,14 @@ def test_a_delta_subscriber_with_a_select_list_ends_with_the_selected_record(bef
     held = _without_nulls(merge(sub.shape(before), event["record"]))
     dumps = lambda v: orjson.dumps(v, option=orjson.OPT_SORT_KEYS)  # noqa: E731
     assert dumps(held) == dumps(_without_nulls(sub.shape(after)))
+
+
+def test_a_resumed_removal_says_which_record_went_without_a_sowkey():
+    """Audit: with no_sowkey, a removal on resume carried neither the SowKey nor a record."""
+    plain = SubscriptionSpec(key_paths=ID_KEY)
+    assert plain.resumed(Op.DELETE, "K", 7, None, None, {"id": 1, "v": 2}) == {"op": "delete", "sow_key": "K", "seq": 7, "record": None}
+    quiet = SubscriptionSpec(no_sowkey=True, oof=True, key_paths=ID_KEY)
+    assert quiet.resumed(Op.EXPIRE, "K", 7, None, None, {"id": 1, "v": 2}) == {"op": "expire", "seq": 7, "record": {"id": 1}}
+    # the version removed unknown to the reader, or no key fields (publisher SowKeys): the SowKey says which
+    assert quiet.resumed(Op.DELETE, "K", 7, None) == {"op": "delete", "seq": 7, "record": None, "sow_key": "K"}
+    assert SubscriptionSpec(no_sowkey=True).resumed(Op.DELETE, "K", 7, None, None, {"v": 2})["sow_key"] == "K"
