@@ -8,7 +8,6 @@ checked against the whole filter). Anything else scans the partition.
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -21,7 +20,7 @@ from processor.core.filters import Filter, compile_filter, spelled_number
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.paths import MISSING, PathError, get_path, project, split_path
 from processor.core.rawfilter import raw_prefilter
-from processor.state.base import RECORD_HEADER_SIZE, PartitionStore
+from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
 
 
 @dataclass
@@ -133,17 +132,6 @@ class QueryPlan:
     index: int | None  # hash index number used, or None for a scan
     candidates: int = 0  # records read
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def choose_index(predicate: Filter, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, list[tuple]] | None:
-    """(index number, value tuples to look up) when an index covers equality terms of the filter."""
-    terms = predicate.equality_terms()
-    if not terms:
-        return None
-    for no, paths in enumerate(indexes):
-        if all(p in terms for p in paths):
-            return no, list(itertools.product(*(sorted(terms[p], key=repr) for p in paths)))
-    return None
 
 
 def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None, indexes, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
