@@ -128,11 +128,12 @@ def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:
                      f"{max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
 
 
-def source_headers(msg: InputMessage) -> list[tuple[str, bytes]]:
+def source_headers(msg: InputMessage, streams: Streams) -> list[tuple[str, bytes]]:
     """The headers that take where an input was first (topic, partition, offset, Kafka key) along
     when it is rerouted through `.repartition`, so its `.errors` record points at the publisher's
-    message. A rerouted input keeps those it came with."""
-    found = [(k, v) for k, v in (msg.headers or ()) if k == H.SOURCE or k == H.SOURCE_KEY]
+    message. A rerouted input keeps those it came with (only one read from `.repartition`: on an
+    input topic they are a publisher's, and say nothing)."""
+    found = [(k, v) for k, v in (msg.headers or ()) if k == H.SOURCE or k == H.SOURCE_KEY] if msg.topic == streams.repartition else []
     if found:
         return found
     headers = [(H.SOURCE, b"%s:%d:%d" % (msg.topic.encode(), msg.partition, msg.offset))]
@@ -142,11 +143,13 @@ def source_headers(msg: InputMessage) -> list[tuple[str, bytes]]:
 def rejected(msg: InputMessage, reason: str, streams: Streams) -> Output:
     """The `.errors` record of an input that could not be applied: its original bytes, key and place
     (before any rerouting) and the reason, in the partition it was read from (so it belongs to the
-    same owner's transactions)."""
+    same owner's transactions). The internal headers of an input topic's message are a publisher's:
+    left out, never taken for its place."""
     topic, partition, offset, key = msg.topic.encode(), b"%d" % msg.partition, b"%d" % msg.offset, msg.key
+    rerouted = msg.topic == streams.repartition
     headers = []
     for k, v in msg.headers or ():
-        if k == H.SOURCE and isinstance(v, bytes) and v.count(b":") >= 2:
+        if rerouted and k == H.SOURCE and isinstance(v, bytes) and v.count(b":") >= 2:
             topic, partition, offset = v.rsplit(b":", 2)
             key = next((v for k, v in msg.headers if k == H.SOURCE_KEY), None)
         elif k not in H.INTERNAL:

@@ -122,7 +122,7 @@ class SowTopicEngine:
             else:
                 target.apply(cmd, published, now, out)
             return
-        if _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
+        if msg.topic == self.streams.repartition and _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
             partitions[msg.partition].delete(cmd, now, out, sent_at=published)
             return
         # Each key is deleted by the partition that owns it; a filter by every partition. The
@@ -155,7 +155,7 @@ class SowTopicEngine:
 
     def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]
-        headers += [(H.ORIGIN, default.value.encode()), _LOCAL, *source_headers(msg)]
+        headers += [(H.ORIGIN, default.value.encode()), _LOCAL, *source_headers(msg, self.streams)]
         if extra:
             headers.append(extra)
         return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)

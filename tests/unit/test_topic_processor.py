@@ -361,7 +361,7 @@ def test_delete_by_filter_sees_records_of_the_same_batch():
     proc = LocalTopic(spec, None)
     key = spec.key_spec.sow_key({"id": 7})
     publish = InputMessage("orders", 0, 0, key.encode(), orjson.dumps({"id": 7, "desk": "fx"}), [], 1_000)
-    delete = InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H.LOCAL, b"1")], 1_001)
+    delete = InputMessage("orders.repartition", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), (H.LOCAL, b"1")], 1_001)
     out = proc.handle([publish, delete], now=2_000)
     assert [dict(r.headers)["sow-op"] for r in out if r.topic == "orders.sow"] == [b"insert", b"delete"]
     proc.commit(0)
@@ -458,3 +458,19 @@ def test_a_simple_sow_purged_at_a_restart_expires_what_fell_due_meanwhile(tmp_pa
     ops = {orjson.loads(r.value)["id"]: hdr(r, "sow-op") for r in got["orders.diff"]}
     assert ops == {1: b"expire", 2: b"delete"}
     assert all(r.value is None for r in got["orders.sow"])
+
+
+def test_internal_headers_on_an_input_topic_are_a_publishers_and_ignored(tmp_path):
+    """Audit: `ksow-local` on a delete by filter sent to `<topic>` made it apply to the partition it
+    was read from only (a silent partial delete), and `ksow-source`/`ksow-source-key` on a bad
+    input filed it on `.errors` under a key and place it never had. Only `.repartition` carries them."""
+    proc = make(tmp_path, persistence="memory")
+    run(proc, [msg(proc, {"id": i, "desk": "fx"}) for i in range(12)])
+    assert sum(s.count() for s in proc.stores.values()) == 12
+    forged = [(H.LOCAL, b"1"), (H.SOURCE, b"someone.else:7:12345"), (H.SOURCE_KEY, b"victim")]
+    out = run(proc, [InputMessage("orders", 0, 3, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'"), *forged], 2_000)])
+    assert sum(s.count() for s in proc.stores.values()) == 0 and not [r for r in out if r.topic == "orders.errors"]
+    (err,) = run(proc, [InputMessage("orders.delta", 2, 9, b"real", b"not json", forged, 3_000)])
+    assert err.topic == "orders.errors" and err.key == b"real"
+    assert (hdr(err, "sow-error-topic"), hdr(err, "sow-error-partition"), hdr(err, "sow-error-offset")) == (b"orders.delta", b"2", b"9")
+    assert not [k for k, _ in err.headers if k in H.INTERNAL]
