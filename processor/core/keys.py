@@ -101,7 +101,8 @@ class KeySpec:
                 return key
         if self.user_keys:
             if not header_key:
-                raise KeyError_("topic has no key fields: publisher must send a sow-key header")
+                said = "an empty sow-key header" if header_key == "" else "no sow-key header"
+                raise KeyError_(f"topic has no key fields: the publisher must send a SowKey in sow-key, and sent {said}")
             return validate_user_key(header_key)
         if record is None:
             raise KeyError_("no record to compute the SowKey from")
