@@ -19,6 +19,7 @@ QUERY_MAX_SECONDS = 10.0  # time one HTTP query may take on a worker
 READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this long without progress
 MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
 DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of the worker (its memory and transaction stay bounded)
+QUERY_THREADS = 2  # HTTP queries a worker runs at once (threads beside its loop); the others wait
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
@@ -27,6 +28,7 @@ _ENV = {
     "KSOW_READ_IDLE_TIMEOUT": (float, READ_IDLE_TIMEOUT_S),
     "KSOW_MAX_RECORD_BYTES": (int, MAX_RECORD_BYTES),
     "KSOW_DELETE_CHUNK": (int, DELETE_CHUNK),
+    "KSOW_QUERY_THREADS": (int, QUERY_THREADS),
 }
 
 
@@ -69,6 +71,12 @@ def query_max_rows() -> int:
 def query_max_seconds() -> float:
     """Default time limit of one worker HTTP query (env KSOW_QUERY_MAX_SECONDS)."""
     return float(_env("KSOW_QUERY_MAX_SECONDS"))
+
+
+def query_threads() -> int:
+    """HTTP queries one worker runs at once (env KSOW_QUERY_THREADS): a query waits for a thread at
+    most its time limit, then is answered 503, so slow queries cannot hold up every caller."""
+    return int(_env("KSOW_QUERY_THREADS"))
 
 
 def read_idle_timeout() -> float:

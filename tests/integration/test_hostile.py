@@ -246,3 +246,67 @@ def test_a_topic_no_worker_has_created_is_a_prompt_error_naming_it(kafka_bootstr
     out = _ksow("publish", unique_name, "--topology", str(path), "--bootstrap", kafka_bootstrap, '{"id": 1}')
     assert out.returncode == 1 and f"Kafka topic {unique_name} does not exist" in out.stderr.decode()
     assert b"Traceback" not in out.stderr
+
+
+def test_half_sent_requests_are_closed_and_slow_queries_hold_up_no_other_caller(kafka_bootstrap, unique_name, tmp_path, own_registry, monkeypatch):
+    """Audit: aiohttp waited forever for a request's head (19,700 half-sent requests used up the
+    worker's file handles), a query was checked against its time limit every 1,024 records only
+    (292 s for a 10 s limit over 20 records of 900 KB under a slow LIKE), and slow queries filled
+    the threads every query ran on (an unrelated query waited 82 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    monkeypatch.setenv("KSOW_QUERY_THREADS", "1")
+    monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "1")
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name)
+    try:
+        text = "abcdefghijklmnopqrstuvwxyz" * 12_000  # 312 KB: RE2 falls back to its slow matcher on this pattern
+        for i in range(3):
+            client.publish(unique_name, {"id": i, "t": text})
+        client.publish(unique_name, {"id": 9})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name, filter="/id = 9")) == 1 and client.last_query_source == "workers", timeout=60)
+        (entry,) = registry.live_workers(kafka_bootstrap, f"g-{unique_name}")
+        url = urlparse(entry["url"])
+        half = []
+        for _ in range(50):
+            s = socket.create_connection((url.hostname, url.port), timeout=5)
+            s.sendall(b"GET /sow/x HTTP/1.1\r\nHost: a\r\n")  # never ends its head
+            half.append(s)
+
+        def ask(body: dict) -> tuple[int, dict, float]:
+            request = urllib.request.Request(f"{entry['url']}/sow/{unique_name}", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+            began = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    return answer.status, orjson.loads(answer.read()), time.monotonic() - began
+            except urllib.error.HTTPError as exc:
+                return exc.code, orjson.loads(exc.read()), time.monotonic() - began
+
+        import threading
+        slow: list = []
+        runner = threading.Thread(target=lambda: slow.append(ask({"filter": "/t LIKE '(.{999}a|.{999}b)Q'"})))
+        runner.start()
+        time.sleep(0.5)
+        status, body, took = ask({"filter": "/id = 9"})
+        assert status == 503 and "ran other queries" in body["error"] and took < 4, (status, body, took)
+        runner.join(60)
+        status, body, took = slow[0]
+        assert status == 503 and "took longer" in body["error"], (status, body)
+        assert took < 3 * 5, took  # the limit is checked after each of these records, not after all three
+        assert ask({"filter": "/id = 9"})[0] == 200
+
+        def closed(s: socket.socket) -> bool:
+            s.settimeout(0.2)
+            try:
+                return s.recv(1) == b""
+            except socket.timeout:
+                return False
+            except OSError:
+                return True
+
+        wait_until(lambda: all(closed(s) for s in half), timeout=30, what="the half-sent requests closed")
+        for s in half:
+            s.close()
+    finally:
+        worker.kill()

@@ -115,3 +115,43 @@ def test_a_request_aiohttp_cannot_parse_is_one_warning_line_not_a_traceback():
     assert bad.getMessage().startswith("refused a malformed HTTP request: Error handling request from 127.0.0.1: Got more than 8190 bytes")
     failed = record(TypeError("a bug"))
     assert MalformedRequests().filter(failed) and failed.levelno == logging.ERROR and failed.exc_info is not None
+
+
+def test_accept_errors_are_told_once_a_minute_and_other_loop_errors_as_before(caplog):
+    from processor.runners.faust.web import AcceptErrors
+
+    class Loop:
+        def __init__(self):
+            self.default = []
+
+        def default_exception_handler(self, context):
+            self.default.append(context)
+
+    handler, loop = AcceptErrors(), Loop()
+    with caplog.at_level("ERROR", logger="processor.runners.faust.web"):
+        for _ in range(1000):
+            handler(loop, {"message": "socket.accept() out of system resource", "exception": OSError(24, "Too many open files")})
+    assert len(caplog.records) == 1 and "cannot accept connections" in caplog.records[0].getMessage()
+    handler(loop, {"message": "Task exception was never retrieved"})
+    assert loop.default == [{"message": "Task exception was never retrieved"}]
+
+
+def test_idle_connections_are_closed_and_busy_ones_kept():
+    from processor.runners.faust.web import IDLE_CLOSE_S, Connections
+
+    class Handler:
+        def __init__(self, count=0, busy=None):
+            self._request_count, self._current_request, self.closed = count, busy, False
+
+        def force_close(self):
+            self.closed = True
+
+    idle, working, served = Handler(), Handler(busy=object()), Handler(count=3)
+    sweeper = Connections(max_request_s=5.0)
+    assert sweeper.sweep([idle, working, served], 0.0) == 0
+    served._request_count = 4  # it completed another request: its quiet time starts again
+    assert sweeper.sweep([idle, working, served], IDLE_CLOSE_S - 1) == 0
+    assert sweeper.sweep([idle, working, served], IDLE_CLOSE_S + 0.5) == 1 and idle.closed and not served.closed
+    # a request in progress past the query limit and IDLE_CLOSE_S more: a body sent a byte at a time
+    assert sweeper.sweep([working, served], 5.0 + IDLE_CLOSE_S + 1) == 1 and working.closed and not served.closed
+    assert sweeper.sweep([served], 2 * IDLE_CLOSE_S) == 1 and served.closed  # idle since its last request
