@@ -20,6 +20,7 @@ READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this lon
 MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
 DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of the worker (its memory and transaction stay bounded)
 QUERY_THREADS = 2  # HTTP queries a worker runs at once (threads beside its loop); the others wait
+DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing one partition's records
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
@@ -29,6 +30,7 @@ _ENV = {
     "KSOW_MAX_RECORD_BYTES": (int, MAX_RECORD_BYTES),
     "KSOW_DELETE_CHUNK": (int, DELETE_CHUNK),
     "KSOW_QUERY_THREADS": (int, QUERY_THREADS),
+    "KSOW_DELETE_FILTER_SECONDS": (float, DELETE_FILTER_SECONDS),
 }
 
 
@@ -56,6 +58,13 @@ def positive_env(name: str, kind: type = int, default=None, zero: bool = False):
 def delete_chunk() -> int:
     """Records one sow_delete removes between two commits of a worker (env KSOW_DELETE_CHUNK)."""
     return int(_env("KSOW_DELETE_CHUNK"))
+
+
+def delete_filter_seconds() -> float:
+    """Time one sow_delete's filter may spend testing a partition's records (env
+    KSOW_DELETE_FILTER_SECONDS). A filter costs about a microsecond a record, but a LIKE with large
+    counted repetitions can cost RE2 ~10 us a byte: one such delete held a worker's loop for hours."""
+    return float(_env("KSOW_DELETE_FILTER_SECONDS"))
 
 
 def max_delete_keys() -> int:

@@ -12,10 +12,11 @@ change, and which messages (SOW streams and views) tell the world.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Iterator, Protocol
 
 from processor.contract.errors import InputError
-from processor.contract.limits import delete_chunk, max_record_bytes
+from processor.contract.limits import delete_chunk, delete_filter_seconds, max_record_bytes
 from processor.contract import headers as H
 from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
@@ -194,22 +195,28 @@ class SowPartition:
             n = self.spec.partitions
             keys = [k for k in cmd.keys if owner_partition(k, n) == self.p]
         else:  # lazily: a filter over millions of records is never listed at once
-            keys = self.state.matching(compile_filter(cmd.filter or "1=1"))
+            keys = self.state.matching(_TimedFilter(compile_filter(cmd.filter or "1=1"), delete_filter_seconds()))
         state = self.state
         expiring = self.policy.active
         chunk = self.delete_chunk
         removed = 0
-        for key in keys:
-            before = state.get(key)
-            if before is None or (sent_at is not None and before.updated_at > sent_at):
-                continue
-            # A record whose instant has passed was gone before the delete came: it expires.
-            op = Op.EXPIRE if expiring and is_due(before.expires_at, due_by) else Op.DELETE
-            state.remove(key)
-            self._removed(op, key, before, now, out)
-            removed += 1
-            if removed % chunk == 0:
-                checkpoint(out)
+        try:
+            for key in keys:
+                before = state.get(key)
+                if before is None or (sent_at is not None and before.updated_at > sent_at):
+                    continue
+                # A record whose instant has passed was gone before the delete came: it expires.
+                op = Op.EXPIRE if expiring and is_due(before.expires_at, due_by) else Op.DELETE
+                state.remove(key)
+                self._removed(op, key, before, now, out)
+                removed += 1
+                if removed % chunk == 0:
+                    checkpoint(out)
+        except _OverBudget as over:
+            raise InputError(f"the sow-filter took over {over.budget:g}s testing partition {self.p}'s records "
+                             f"(KSOW_DELETE_FILTER_SECONDS); {removed} records it matched were deleted, the rest "
+                             "were not, nor those of other workers' partitions (a LIKE with large counted "
+                             "repetitions is the usual cause)") from None
         return removed
 
     def expire_due(self, now: int, out: list, limit: int | None = None, until: int | None = None) -> tuple[int, int]:
@@ -288,6 +295,33 @@ class SowPartition:
     def _tell(self, t: Transition, out: list | None) -> None:
         for listener in self.listeners:
             listener.on_change(self.p, t, out)
+
+
+class _OverBudget(Exception):
+    def __init__(self, budget: float):
+        self.budget = budget
+
+
+class _TimedFilter:
+    """A delete's filter that may spend `budget` seconds testing records, then raises _OverBudget:
+    a delete by filter runs on the worker's loop, and one input must not hold it for hours."""
+
+    __slots__ = ("filter", "budget", "spent")
+
+    def __init__(self, inner, budget: float):
+        self.filter, self.budget, self.spent = inner, budget, 0.0
+
+    def equality_terms(self):
+        return self.filter.equality_terms()
+
+    def matches(self, record: dict) -> bool:
+        began = time.perf_counter()
+        try:
+            return self.filter.matches(record)
+        finally:
+            self.spent += time.perf_counter() - began
+            if self.spent > self.budget:
+                raise _OverBudget(self.budget)
 
 
 def scan_matching(records: Callable[[], Iterator[tuple[str, SowRecord]]], predicate) -> Iterator[str]:

@@ -474,3 +474,22 @@ def test_internal_headers_on_an_input_topic_are_a_publishers_and_ignored(tmp_pat
     assert err.topic == "orders.errors" and err.key == b"real"
     assert (hdr(err, "sow-error-topic"), hdr(err, "sow-error-partition"), hdr(err, "sow-error-offset")) == (b"orders.delta", b"2", b"9")
     assert not [k for k, _ in err.headers if k in H.INTERNAL]
+
+
+def test_a_delete_whose_filter_runs_past_its_budget_stops_and_says_what_it_did(tmp_path, monkeypatch):
+    """A LIKE with large counted repetitions costs RE2 ~10 us a byte: one delete by filter could hold
+    a worker's loop for hours. Past KSOW_DELETE_FILTER_SECONDS of filter time in a partition, the
+    delete stops there: what it removed is told on `.sow` as usual, and the input lands on `.errors`
+    saying how many and that the rest stayed (here the budget is tiny, the filter an ordinary one)."""
+    proc = make(tmp_path, persistence="memory", partitions=1)
+    run(proc, [InputMessage("orders", 0, i, None, orjson.dumps({"id": i, "desk": "fx"}), [], 1_000) for i in range(3000)])
+    monkeypatch.setenv("KSOW_DELETE_FILTER_SECONDS", "0.0005")
+    out = run(proc, [InputMessage("orders", 0, 3000, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'")], 2_000)])
+    (err,) = [r for r in out if r.topic == "orders.errors"]
+    deleted = [r for r in out if r.topic == "orders.sow"]
+    reason = hdr(err, "sow-error").decode()
+    assert "KSOW_DELETE_FILTER_SECONDS" in reason and f"; {len(deleted)} records it matched were deleted" in reason
+    assert 0 < len(deleted) < 3000 and proc.stores[0].count() == 3000 - len(deleted)
+    monkeypatch.delenv("KSOW_DELETE_FILTER_SECONDS")
+    out = run(proc, [InputMessage("orders", 0, 3001, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'")], 3_000)])
+    assert not [r for r in out if r.topic == "orders.errors"] and proc.stores[0].count() == 0
