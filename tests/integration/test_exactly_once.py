@@ -247,6 +247,37 @@ def test_a_crash_in_the_middle_of_a_large_delete_loses_and_repeats_nothing(kafka
         again.kill()
 
 
+def test_a_stop_in_the_middle_of_a_large_delete_does_not_wait_for_it(kafka_bootstrap, unique_name, tmp_path):
+    """Audit: a worker applying one long delete ignored SIGTERM until the delete ended (minutes).
+    It now stops at the delete's next commit, and the next worker removes the rest, exactly once."""
+    path, spec = topology_file(tmp_path, unique_name)
+    ensure_topics(make_admin(kafka_bootstrap), topic_configs(spec))
+    stream = Stream(kafka_bootstrap, spec, seed=3)
+    for i in range(3000):
+        stream.send({"id": i, "grp": "a", "v": 0})
+    stream.producer.flush(30)
+    time.sleep(0.05)
+    stream.send(None, headers=[(H.COMMAND, b"sow_delete"), (H.FILTER, b"/grp = 'a'")], value=b"")
+    stream.producer.flush(30)
+    env = {"KSOW_DELETE_CHUNK": "2"}  # a commit every two removals: 1,500 commits, 15 s here
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w1", env=env).start()
+    deleted = lambda: sum(1 for m in read_topic(kafka_bootstrap, spec.sow_topic, range(P)) if m.value() is None)  # noqa: E731
+    wait_until(lambda: deleted() >= 20, 60, "the delete under way")
+    began = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    worker.proc.wait(60)
+    stopped_in = time.monotonic() - began
+    assert worker.proc.returncode == 0 and stopped_in < 20, (worker.proc.returncode, stopped_in)
+    assert deleted() < 3000  # it stopped in the middle
+    again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w2").start()
+    try:
+        wait_settled(kafka_bootstrap, spec, worker=again)
+        assert_exactly_once(kafka_bootstrap, spec)
+        assert deleted() == 3000
+    finally:
+        again.kill()
+
+
 def test_random_kills_over_every_operation(kafka_bootstrap, unique_name, tmp_path):
     """Six workers in turn, each SIGKILLed at a random moment while a round of inputs streams in.
     They restart as one static member (one data folder): each takes all four partitions back at

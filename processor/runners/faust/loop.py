@@ -812,6 +812,11 @@ class SowLoop:
         metrics.CHECKPOINTS.inc()
         if _KILLS:
             _kill("checkpoint")
+        if self._stop.is_set():
+            # Stopping (SIGTERM) while one input removes millions of records: what it did is
+            # committed, nothing is staged, and the partition's next owner applies it again (finding
+            # only what is left), as after a crash here; the worker does not wait for it to end.
+            raise BatchAborted("stopping in the middle of an input")
 
     def _sweep_if_due(self, out: list) -> None:
         """Expire what is due and release conflated view events whose interval ended, every
