@@ -143,8 +143,8 @@ class Connections:
     head as long as its sender likes, so half-sent requests piled up until the worker ran out of
     file handles (audit: 19,700 sockets; then every accept() failed). A connection is idle while no
     request is in progress; one idle with no request completed for IDLE_CLOSE_S is closed (sooner
-    past MAX_CONNECTIONS), and so is one whose request has not completed within the query time
-    limit and IDLE_CLOSE_S more (a body sent a byte at a time). aiohttp keeps no public record of
+    past MAX_CONNECTIONS), and so is one whose request has not completed within `max_request_s`
+    and IDLE_CLOSE_S more (a body sent a byte at a time). aiohttp keeps no public record of
     a connection's progress: its request count and current request are read when present, and
     without them nothing is closed."""
 
@@ -209,7 +209,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
 
     queries = ThreadPoolExecutor(query_threads(), thread_name_prefix="ksow-query")
     slots = asyncio.Semaphore(query_threads())
-    connections = Connections(settings.limits.max_seconds)
+    connections = Connections(2 * settings.limits.max_seconds)  # a query may wait its limit for a thread, then run it
 
     def refused(view, request):
         """A 401 answer when the request lacks the token, else None."""
