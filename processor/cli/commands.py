@@ -179,6 +179,7 @@ def _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key):
         check_environment()
         settings = WebSettings.from_env(web_port or free_port(), web_host, web_bind, web_token, web_cert, web_key)
         settings.ssl_context()
+        settings.check_port()
     except ConfigError as exc:
         _fail(str(exc))
     return settings
@@ -242,10 +243,14 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         from confluent_kafka import KafkaException
 
         _reachable_or_exit(address)
+        from processor.contract.errors import ConfigError
+
         try:
             worker = _worker(address, topology, group, data_dir, web, guarantee, static)
         except KafkaException as exc:  # the transactional producer's start: the cluster did not answer in time
             _startup_failed(f"Kafka at {address}: {exc.args[0].str() if exc.args else exc}")
+        except ConfigError as exc:
+            _startup_failed(str(exc))
         click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}; "
                    f"queries at {worker.web.url}/sow/<topic>, metrics at {worker.web.url}/metrics", err=True)
         try:

@@ -381,9 +381,10 @@ class Client:
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
                 return None
-            # A worker answers within its query time limit or says it ran out (HTTP 503): one
-            # silent past that, and a margin, has stopped, and its partitions are asked for again.
-            wait = query_max_seconds() + 5
+            # A worker answers within twice its query time limit (a wait for one of its query
+            # threads, then the query) or says it ran out (HTTP 503): one silent past that, and a
+            # margin, has stopped, and its partitions are asked for again.
+            wait = 2 * query_max_seconds() + 5
             ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, timeout=wait, body=params)  # noqa: E731
             covered: set[int] = set()
             rows: dict[str, dict] = {}

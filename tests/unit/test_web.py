@@ -155,3 +155,23 @@ def test_idle_connections_are_closed_and_busy_ones_kept():
     # a request in progress past the query limit and IDLE_CLOSE_S more: a body sent a byte at a time
     assert sweeper.sweep([working, served], 5.0 + IDLE_CLOSE_S + 1) == 1 and working.closed and not served.closed
     assert sweeper.sweep([served], 2 * IDLE_CLOSE_S) == 1 and served.closed  # idle since its last request
+
+
+def test_a_new_connection_never_inherits_a_closed_ones_quiet_time():
+    """Audit: keyed by id(), a new handler at a closed one's reused address took its record, and
+    from 10 s on every new one-request connection was closed at once as idle."""
+    from processor.runners.faust.web import Connections
+
+    class Handler:
+        def __init__(self):
+            self._request_count, self._current_request, self.closed = 1, None, False
+
+        def force_close(self):
+            self.closed = True
+
+    sweeper = Connections(max_request_s=5.0)
+    for second in range(30):
+        handler = Handler()  # one request each, gone by the next sweep
+        sweeper.sweep([handler], float(second))
+        assert not handler.closed, second
+        del handler

@@ -15,6 +15,7 @@ import logging
 import time
 import ipaddress
 import os
+import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +87,19 @@ class WebSettings:
             raise ConfigError("--web-key (KSOW_WEB_KEY) needs --web-cert (KSOW_WEB_CERT)")
         return settings
 
+    def check_port(self) -> None:
+        """ConfigError when the address is taken (aiohttp would fail with a traceback once the
+        worker has joined its group, after its banner announced the address)."""
+        address = web_bind_address(self)
+        try:
+            infos = socket.getaddrinfo(address, self.port, type=socket.SOCK_STREAM)
+            with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+                probe.bind(infos[0][4])
+        except OSError as exc:
+            raise ConfigError(f"cannot serve queries at {address}:{self.port}: {exc.strerror or exc} "
+                              "(--web-port, --web-host, --web-bind; with --workers N, ports --web-port to --web-port + N - 1)") from None
+
     @property
     def url(self) -> str:
         """The address announced to clients."""
@@ -150,7 +164,10 @@ class Connections:
 
     def __init__(self, max_request_s: float):
         self.max_request_s = max_request_s
-        self.seen: dict[int, tuple[int, float]] = {}  # id(handler) -> (requests completed, since when)
+        # handler -> (requests completed, since when). Keyed by the handler itself, held until the
+        # next sweep: by id() a new connection took the record of a closed one whose address it
+        # reused, and was closed at once as idle (audit).
+        self.seen: dict[object, tuple[int, float]] = {}
 
     def sweep(self, handlers: list, now: float) -> int:
         """Close what overstayed; returns how many."""
@@ -160,9 +177,9 @@ class Connections:
             count, busy = getattr(handler, "_request_count", None), getattr(handler, "_current_request", None)
             if count is None:
                 continue
-            previous = self.seen.get(id(handler))
+            previous = self.seen.get(handler)
             since = previous[1] if previous is not None and previous[0] == count else now
-            seen[id(handler)] = (count, since)
+            seen[handler] = (count, since)
             quiet = now - since
             if quiet > self.max_request_s + IDLE_CLOSE_S or (busy is None and (quiet > IDLE_CLOSE_S or (crowded and quiet > 1.0))):
                 handler.force_close()

@@ -11,6 +11,7 @@ its own; the loop is the worker's only member of the consumer group.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import os
@@ -22,7 +23,7 @@ import faust
 import mode
 from faust.app.base import BootStrategy
 
-from processor.contract.errors import KsowError
+from processor.contract.errors import ConfigError, KsowError
 from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
@@ -36,6 +37,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def hold_data_dir(path: Path):
+    """Lock a worker's data folder for the life of the process (the open file holds the lock): two
+    workers on one folder would share RocksDB stores, which RocksDB refuses only when a partition
+    opens, with a traceback, after the second worker joined the group and moved partitions."""
+    lock = open(path / ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ConfigError(f"the data folder {path} is in use by another worker on this host: give each worker "
+                          "its own --data-dir (KSOW_DATA_DIR), or run them with --workers N") from None
+    return lock
 
 
 def default_data_dir(group: str, topology: Topology) -> Path:
@@ -115,6 +130,7 @@ class SowWorker:
         self.web = web or WebSettings.from_env(free_port())
         self.data_dir = Path(data_dir or default_data_dir(group, topology))
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = hold_data_dir(self.data_dir)
         # A stable transactional.id per worker identity: a restarted worker fences its earlier self.
         instance = hashlib.blake2b(f"{socket.gethostname()}:{self.data_dir.resolve()}".encode(), digest_size=6).hexdigest()
         self.loop = SowLoop(topology, bootstrap, group, self.data_dir, topology_dir, settings, instance)
