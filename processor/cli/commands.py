@@ -429,7 +429,14 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
     with _client_errors():
         count = client.delete(topic, filter=filter_, keys=_split(keys), data=data, wait=wait or None)
         client.flush()
-    _print({"deleted": count} if count is not None else {"sent": True})
+    if count is None:
+        _print({"sent": True})
+        return
+    pending = client.last_delete_pending
+    _print({"deleted": count, "pending": pending} if pending else {"deleted": count})
+    if pending:
+        click.echo(f"warning: {pending} matching records were not deleted within --wait {wait:g}s: no worker of group "
+                   f"{client.group} applied the delete yet (it stays on {topic} and is applied when one does)", err=True)
 
 
 @main.command()

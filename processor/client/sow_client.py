@@ -76,6 +76,7 @@ class Client:
         self.web_token = web_token or os.environ.get("KSOW_WEB_TOKEN") or None  # sent to workers as a bearer token
         self._tls = _tls_context(os.environ.get("KSOW_WEB_CA"))
         self.last_query_source: str | None = None
+        self.last_delete_pending = 0  # see delete(wait=...)
         self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
         self._producer_error: KafkaError | None = None
@@ -220,12 +221,17 @@ class Client:
         """sow_delete by filter, by SowKeys or by data (the record the data would have updated).
 
         With `wait` (seconds), also returns how many records the workers deleted: the records that
-        matched when the delete was sent and whose delete events then appeared on `<topic>.sow`.
+        matched when the delete was sent and whose delete events then appeared on `<topic>.sow`;
+        `last_delete_pending` says how many of them had not when the wait ended (no worker running,
+        or one behind: the delete stays on the input topic and is applied when one gets to it).
         """
+        if sum(x is not None for x in (filter, keys, data)) != 1:
+            raise ClientError("give exactly one of filter, keys or data")
         spec = self.spec(topic)
         headers = [(H.COMMAND, b"sow_delete")]
         value = None
         key = None
+        self.last_delete_pending = 0
         if filter is not None:
             from processor.core.filters import compile_filter
 
@@ -233,17 +239,17 @@ class Client:
                 raise ClientError("a blank filter would delete every record: say '1=1' to mean that")
             compile_filter(filter)  # raises FilterError pointing at the position
             headers.append((H.FILTER, filter.encode()))
-        elif keys:
+        elif keys is not None:
+            if not keys:
+                raise ClientError("an empty key list deletes nothing: give at least one SowKey")
             _check_keys(keys)
             headers.append((H.KEYS, ",".join(keys).encode()))
-        elif data is not None:
+        else:
             value, record = self._encode(spec, data)
             try:
                 key = spec.key_spec.sow_key(record).encode()
             except KeyError_ as exc:
                 raise ClientError(str(exc)) from None
-        else:
-            raise ClientError("delete needs a filter, keys or data")
         self._require(self.producer, spec.topic)
         if wait is None:
             produce(self.producer, spec.topic, value, key, headers=headers)
@@ -264,6 +270,7 @@ class Client:
                         change = self._parse(self.codec(spec), msg)
                         if change is not None and change.op is Op.DELETE and change.key in targets:
                             deleted.add(change.key)
+            self.last_delete_pending = len(targets - deleted)
             return len(deleted)
         finally:
             consumer.close()
@@ -742,8 +749,8 @@ def publish(topic: str, record: Any, *, bootstrap: str | None = None, topology: 
         client.close()
 
 
-def delete(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, **options) -> int | None:
-    client = Client(bootstrap, topology)
+def delete(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None, **options) -> int | None:
+    client = Client(bootstrap, topology, group)
     try:
         return client.delete(topic, **options)
     finally:
@@ -754,5 +761,5 @@ def query(topic: str, *, bootstrap: str | None = None, topology: Topology | str 
     return Client(bootstrap, topology, group).query(topic, **options)
 
 
-def subscribe(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, **options) -> Iterator[dict]:
-    return Client(bootstrap, topology).subscribe(topic, **options)
+def subscribe(topic: str, *, bootstrap: str | None = None, topology: Topology | str | None = None, group: str | None = None, **options) -> Iterator[dict]:
+    return Client(bootstrap, topology, group).subscribe(topic, **options)

@@ -225,6 +225,30 @@ def test_a_resume_tells_records_that_expired_unswept_as_expired(kafka_bootstrap,
         ("expire", b'{"id":1}'), ("expire", b'{"id":2}'), ("expire", b'{"id":3}')]  # no SowKey: the key fields say which
 
 
+def test_a_delete_no_worker_applied_in_time_is_reported_pending(kafka_bootstrap, unique_name, tmp_path):
+    """Newcomer audit: with no worker running, `ksow delete` printed {"deleted":0} after its wait,
+    and the delete was applied when a worker started. It now says how many are pending."""
+    import subprocess
+    import sys
+
+    topic = unique_name
+    w, client = start(kafka_bootstrap, tmp_path, topic)
+    load(client, topic, 3)
+    wait_until(lambda: ids(client, topic) == [0, 1, 2])
+    w.kill()
+    assert client.delete(topic, data={"id": 1}, wait=2) == 0 and client.last_delete_pending == 1
+    cli = subprocess.run([sys.executable, "-m", "processor.cli", "delete", topic, "--bootstrap", kafka_bootstrap, "--topology",
+                          str(tmp_path / f"{topic}.yaml"), "--group", f"g-{topic}", "--filter", "/id >= 1", "--wait", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and orjson.loads(cli.stdout) == {"deleted": 0, "pending": 2}, cli
+    assert "not deleted within --wait 2s" in cli.stderr
+    w2, _ = start(kafka_bootstrap, tmp_path, topic, name="w2")
+    try:
+        wait_until(lambda: ids(client, topic) == [0])  # applied once a worker runs
+    finally:
+        w2.kill()
+
+
 def test_a_resume_misses_nothing_the_subscriber_was_not_given(kafka_bootstrap, unique_name, tmp_path):
     """Audit: a subscriber that resumed after the event ID it saw last lost records. Event IDs
     increase per partition, and the partitions' changes reach a subscriber interleaved: changes of

@@ -62,6 +62,13 @@ def test_a_sow_key_on_a_topic_with_key_fields_is_refused_not_ignored():
         client.publish("orders", {"order_id": 3}, sow_key="abc")
     with pytest.raises(ClientError, match="blank filter would delete every record"):
         client.delete("orders", filter="  ")
+    # Newcomer audit: data beside a filter was dropped without a word (the CLI refuses the same)
+    with pytest.raises(ClientError, match="exactly one of filter, keys or data"):
+        client.delete("orders", filter="/order_id = 9", data={"order_id": 1})
+    with pytest.raises(ClientError, match="exactly one of filter, keys or data"):
+        client.delete("orders")
+    with pytest.raises(ClientError, match="empty key list"):
+        client.delete("orders", keys=[])
     assert client._producer is None  # nothing was produced
 
 
