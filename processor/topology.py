@@ -407,9 +407,15 @@ def parse_topology(raw: Any) -> Topology:
         raise TopologyError(_describe(exc, raw)) from None
 
 
+def topology_path(path: str | os.PathLike | None = None) -> Path:
+    """The topology file a command reads: `path`, else $KSOW_TOPOLOGY, else the topology/default.yaml
+    ksow ships with (not one in the working folder)."""
+    return Path(path or os.environ.get("KSOW_TOPOLOGY") or DEFAULT_TOPOLOGY)
+
+
 def load_topology(path: str | os.PathLike | None = None) -> Topology:
-    """Read a topology file (default: $KSOW_TOPOLOGY, else topology/default.yaml)."""
-    path = Path(path or os.environ.get("KSOW_TOPOLOGY") or DEFAULT_TOPOLOGY)
+    """Read a topology file (`topology_path`)."""
+    path = topology_path(path)
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:

@@ -13,7 +13,7 @@ BOOTSTRAP = click.option(
 )  # fmt: skip
 TOPOLOGY = click.option(
     "--topology", envvar="KSOW_TOPOLOGY", default=None, type=click.Path(dir_okay=False),
-    help="Topology file (env KSOW_TOPOLOGY; default topology/default.yaml).",
+    help="Topology file (env KSOW_TOPOLOGY; default: the topology/default.yaml ksow ships with).",
 )  # fmt: skip
 
 

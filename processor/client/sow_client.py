@@ -37,7 +37,7 @@ from processor.core.paths import split_path, within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import SowQuery, order_and_cut, result, selection
-from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology
+from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
 
 
 log = logging.getLogger("ksow.client")
@@ -68,6 +68,7 @@ class Client:
             raise ClientError("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
         self.bootstrap = resolved
         self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
+        self.topology_file = None if isinstance(topology, Topology) else topology_path(topology)  # named in errors
         base = DEFAULT_TOPOLOGY.parent.parent if not isinstance(topology, str) else None
         self._codecs: dict[str, Codec] = {}
         self._base = base
@@ -87,7 +88,8 @@ class Client:
         try:
             return self.topology.topic(topic)
         except ValueError as exc:
-            raise ClientError(str(exc)) from None
+            read = f" (topology file {self.topology_file})" if self.topology_file is not None and "not a SOW topic" in str(exc) else ""
+            raise ClientError(f"{exc}{read}") from None
 
     def _through_view(self, name: str, filter: str | None, select: list[str] | None,
                       order_by: str | None = None) -> tuple[str, str | None, list[str] | None]:
@@ -203,6 +205,8 @@ class Client:
                 raise ClientError(f"{topic} makes each SowKey from the record's key fields "
                                   f"({', '.join(spec.key_spec.paths)}); a sow-key is for topics without key fields")
             headers.append((H.KEY, sow_key.encode()))
+        elif spec.key_spec.user_keys:
+            raise ClientError(f"{topic} has no key fields: give each record's SowKey (sow_key=, --key in the CLI)")
         try:
             key = spec.key_spec.sow_key(data, sow_key)
         except KeyError_ as exc:
