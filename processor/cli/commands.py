@@ -30,9 +30,11 @@ def _client(bootstrap: str | None, topology: str | None, group: str | None = Non
     from processor.client.sow_client import Client, ClientError
 
     try:
-        return Client(bootstrap, topology, group, web_token)
+        client = Client(bootstrap, topology, group, web_token)
     except (ClientError, TopologyError) as exc:
         _fail(str(exc))
+    click.get_current_context().find_root().obj = {"bootstrap": client.bootstrap}  # named if Kafka cannot be reached
+    return client
 
 
 @contextlib.contextmanager
@@ -64,7 +66,7 @@ class _Commands(click.Group):
     one line and exit status 1, not a traceback."""
 
     def invoke(self, ctx: click.Context):
-        from confluent_kafka import KafkaException
+        from confluent_kafka import KafkaError, KafkaException
 
         from processor.contract.errors import KsowError
 
@@ -73,7 +75,13 @@ class _Commands(click.Group):
         except KsowError as exc:
             raise click.ClickException(str(exc)) from None
         except KafkaException as exc:
-            raise click.ClickException(f"Kafka: {exc.args[0].str() if exc.args else exc}") from None
+            err = exc.args[0] if exc.args else None
+            reason = err.str() if err is not None and hasattr(err, "str") else str(exc)
+            if err is not None and hasattr(err, "code") and err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT):
+                address = (ctx.obj or {}).get("bootstrap")
+                if address:
+                    reason += f" (Kafka at {address}: are --bootstrap (KAFKA_BOOTSTRAP) and --kafka-config right, and is it up?)"
+            raise click.ClickException(f"Kafka: {reason}") from None
 
 
 @click.group(cls=_Commands)
