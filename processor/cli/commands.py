@@ -250,9 +250,9 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
             return
         from confluent_kafka import KafkaException
 
-        _reachable_or_exit(address)
         from processor.contract.errors import ConfigError
 
+        _reachable_or_exit(address)
         try:
             worker = _worker(address, topology, group, data_dir, web, guarantee, static)
         except KafkaException as exc:  # the transactional producer's start: the cluster did not answer in time

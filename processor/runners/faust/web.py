@@ -39,7 +39,6 @@ IDLE_CLOSE_S = 10.0  # a connection with no request in progress and none complet
 MAX_CONNECTIONS = 256  # past this many, idle connections are closed after 1 s instead
 
 
-
 class WorkerView(Protocol):
     """What the HTTP side may see of a worker: read-only, none of the loop's Kafka clients (the worker
     hands one in: processor.runners.faust.worker.LoopView)."""
