@@ -380,6 +380,8 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, grou
     """Publish a JSON record (or JSON lines from stdin with '-')."""
     from processor.client.sow_client import ClientError
 
+    if record is None and sys.stdin.isatty():
+        _fail("give the record as JSON, or '-' to read JSON lines from stdin")
     client = _client(bootstrap, topology)
     from_stdin = record in (None, "-")
     lines = sys.stdin.buffer if from_stdin else [record]  # bytes: each line is decoded (strictly) on its own

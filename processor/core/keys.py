@@ -67,8 +67,10 @@ class KeySpec:
         values = []
         for path, field, parts in self._fields:
             value = record.get(field, MISSING) if field is not None else get_path(record, parts)
-            if value is MISSING or value is None:
+            if value is MISSING:
                 raise KeyError_(f"missing key field {path}")
+            if value is None:
+                raise KeyError_(f"key field {path} is null")
             if isinstance(value, (dict, list)):
                 raise KeyError_(f"key field {path} must be a scalar, got {type(value).__name__}")
             values.append(value)
