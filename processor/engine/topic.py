@@ -129,9 +129,15 @@ class SowTopicEngine:
         # partitions here go first: a long delete may commit part of its work and, after a crash,
         # be applied again (engine.partition.checkpoint), so the copies for other owners are sent
         # last, once, in the transaction that commits this input.
+        # The partition it was read from has applied nothing sent after it; another may have (this
+        # worker took the delete's partition over from one that had not applied it): there, as for
+        # a fanned-out copy, what changed after the delete was sent is not the delete's to remove.
         owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
         for q in sorted(owners & partitions.keys()):
-            partitions[q].apply(cmd, published, now, out)
+            if q == msg.partition:
+                partitions[q].apply(cmd, published, now, out)
+            else:
+                partitions[q].delete(cmd, now, out, sent_at=published)
         if cmd.keys:
             for key in cmd.keys:
                 owner = self._owner(key)

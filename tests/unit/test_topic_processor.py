@@ -493,3 +493,20 @@ def test_a_delete_whose_filter_runs_past_its_budget_stops_and_says_what_it_did(t
     monkeypatch.delenv("KSOW_DELETE_FILTER_SECONDS")
     out = run(proc, [InputMessage("orders", 0, 3001, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'")], 3_000)])
     assert not [r for r in out if r.topic == "orders.errors"] and proc.stores[0].count() == 0
+
+
+def test_a_delete_a_new_owner_applies_late_keeps_what_its_other_partitions_changed_after_it(tmp_path):
+    """Chaos audit: a delete by filter (or keys) read late by the new owner of its partition (its
+    worker was stopped, killed or fenced before committing it) removed the records its other
+    partitions had since been published, though they were sent after it. Partitions other than the
+    one it was read from now keep what changed after it was sent, as for a fanned-out copy."""
+    proc = make(tmp_path, persistence="memory")
+    records = [{"id": i, "s": "open"} for i in range(12)]
+    run(proc, [msg(proc, r) for r in records])  # Kafka timestamp 1,000
+    other = [r for r in records if msg(proc, r).partition != 0]
+    later = msg(proc, {**other[0], "v": 2}, ts=3_000)  # applied before the delete sent at 2,000
+    run(proc, [later])
+    out = run(proc, [InputMessage("orders", 0, 5, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/s = 'open'")], 2_000)])
+    kept = {k for p in proc.stores for k, _ in proc.stores[p].records()}
+    assert kept == {key_of(proc, other[0])}
+    assert len([r for r in out if r.topic == "orders.sow"]) == 11
