@@ -433,8 +433,6 @@ def _sent_before(client, count: int) -> str:
 @click.option("--wait", type=float, default=30.0, show_default=True, help="Seconds to wait for the workers to report the deletes (0: just send).")
 def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wait) -> None:
     """sow_delete by filter, by SowKeys or by data; prints how many records were deleted."""
-    if sum(x is not None for x in (filter_, keys, data)) != 1:
-        _fail("give exactly one of --filter, --keys or --data")
     client = _client(bootstrap, topology, group, web_token)
     with _client_errors():
         count = client.delete(topic, filter=filter_, keys=_split(keys), data=data, wait=wait or None)

@@ -67,8 +67,8 @@ class Client:
         if not resolved:
             raise ClientError("no Kafka bootstrap: pass --bootstrap or set KAFKA_BOOTSTRAP")
         self.bootstrap = resolved
-        self.topology = topology if isinstance(topology, Topology) else load_topology(topology)
         self.topology_file = None if isinstance(topology, Topology) else topology_path(topology)  # named in errors
+        self.topology = topology if isinstance(topology, Topology) else load_topology(self.topology_file)
         base = DEFAULT_TOPOLOGY.parent.parent if not isinstance(topology, str) else None
         self._codecs: dict[str, Codec] = {}
         self._base = base

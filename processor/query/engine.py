@@ -134,14 +134,15 @@ class QueryPlan:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _candidates(store: PartitionStore, query: SowQuery, predicate: Filter | None, indexes, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
+def _candidates(store: PartitionStore, query: SowQuery, choice: tuple[int, list[tuple]] | None, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
+    """A store's records the query's keys name, else those its index plan (`choose_index`) finds,
+    else all of them."""
     if query.keys:
         for key in query.keys:
             record = store.committed(key)
             if record is not None:
                 yield key, record
         return
-    choice = choose_index(predicate, indexes) if predicate is not None else None
     if choice is None:
         yield from store.records()
         return
@@ -196,12 +197,14 @@ def run_query(
     select = selection(query, key_paths)
     rows: list[tuple[str, SowRecord]] = []
     stores = list(stores)
-    if predicate is not None and not query.keys and choose_index(predicate, indexes) is None:
+    # The plan is worked out once for all the stores (up to MAX_INDEX_LOOKUPS value tuples, sorted).
+    choice = choose_index(predicate, indexes) if predicate is not None and not query.keys else None
+    if predicate is not None and not query.keys and choice is None:
         rows = _scan(stores, predicate, plan, check)
     else:
         mask = QueryLimits.CHECK_EVERY - 1
         for store in stores:
-            for key, record in _candidates(store, query, predicate, indexes, plan):
+            for key, record in _candidates(store, query, choice, plan):
                 plan.candidates += 1
                 if plan.candidates & mask == 0:
                     check(len(rows))
