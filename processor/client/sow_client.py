@@ -391,6 +391,8 @@ class Client:
         for attempt in range(attempts):
             workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
             if not workers:
+                if attempt == 0:  # the list may be from before they announced this topic: read it again
+                    continue
                 return None
             # A worker answers within twice its query time limit (a wait for one of its query
             # threads, then the query) or says it ran out (HTTP 503): one silent past that, and a

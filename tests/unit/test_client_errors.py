@@ -222,3 +222,18 @@ def test_a_worker_silent_past_its_query_limit_is_given_up_and_its_partitions_ask
         workers.stop()
     assert [row.record for row in rows] == [{"order_id": 1}]
     assert time.monotonic() - began < 12  # 5.2 s for the stalled worker, then the fresh registry's answer
+
+
+def test_a_registry_cached_before_the_workers_announced_is_read_again(monkeypatch):
+    """A query that found no worker in the registry it had cached (read before they announced the
+    topic, up to REGISTRY_CACHE_S ago) fell back to reading `.sow` without reading the registry
+    again (a flaky integration test: answered from the changelog right after the workers started)."""
+    workers = _Workers()
+    every = workers.start(list(range(8)))
+    client = Client("127.0.0.1:1")
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [every] if fresh else [])
+    try:
+        rows = client.query("orders")
+    finally:
+        workers.stop()
+    assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
