@@ -375,8 +375,7 @@ def demo(bootstrap, topology, duration) -> None:
 @click.option("--delta", is_flag=True, help="delta_publish: merge into the existing record.")
 @click.option("--expiration", default=None, help="This record's lifetime (e.g. 30s; 0 = never).")
 @click.option("--key", "sow_key", default=None, help="Publisher-supplied SowKey (topics without key fields).")
-@GROUP
-def publish(bootstrap, topology, topic, record, delta, expiration, sow_key, group) -> None:
+def publish(bootstrap, topology, topic, record, delta, expiration, sow_key) -> None:
     """Publish a JSON record (or JSON lines from stdin with '-')."""
     from processor.client.sow_client import ClientError
 

@@ -33,10 +33,9 @@ from processor.core.codec import Codec, check_integers, check_nesting, codec_for
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
-from processor.core.paths import split_path, within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
-from processor.query.engine import SowQuery, order_and_cut, result, selection
+from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
 
 
@@ -93,32 +92,12 @@ class Client:
 
     def _through_view(self, name: str, filter: str | None, select: list[str] | None,
                       order_by: str | None = None) -> tuple[str, str | None, list[str] | None]:
-        """A view's name reads its SOW topic through the view's filter and select list, as the
-        view's own topics show it (not conflated): (SOW topic, filter, select list). The caller's
-        filter must parse on its own (errors point into it) and reads the view's records: a field
-        the view's select list leaves out is NULL to it, and ordering by one is refused."""
-        view = self.topology.view(name)
-        if view is None:
-            return name, filter, select
-        spec = self.spec(view.topic)
-        shown = [*view.select, *spec.key_spec.paths] if view.select else []  # a view's records always carry the key fields
-        if shown:
-            selected = [split_path(path) for path in shown]
-            outside = [path for path in select or () if not within(split_path(path), selected)]
-            if order_by and not within(SowQuery(order_by=order_by).ordering[0], selected):
-                outside.append(order_by.split()[0])
-            if outside:
-                raise ClientError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
-        if not filter or not filter.strip():
-            return view.topic, view.filter, select or view.select or None
-        from processor.core.filters import MAX_FILTER_CHARS, compile_filter, format_filter
-
-        yours = compile_filter(filter)
-        both = f"({view.filter}) AND ({format_filter(yours.seen_through(shown) if shown else yours)})"
-        if len(both) > MAX_FILTER_CHARS:
-            raise ClientError(f"the filter and the filter of view {name} make {len(both):,} characters together, "
-                              f"over the {MAX_FILTER_CHARS:,} a filter may have")
-        return view.topic, both, select or view.select or None
+        """(SOW topic, filter, select list) that read `name` (a view, or a SOW topic as it is):
+        processor.query.engine.through_view, with its refusals as the client's."""
+        try:
+            return through_view(self.topology, name, filter, select, order_by)
+        except QueryError as exc:
+            raise ClientError(str(exc)) from None
 
     def codec(self, spec: SowTopic) -> Codec:
         if spec.topic not in self._codecs:

@@ -16,11 +16,12 @@ from processor.contract.errors import KsowError
 from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
-from processor.core.filters import Filter, compile_filter, spelled_number
+from processor.core.filters import MAX_FILTER_CHARS, Filter, compile_filter, format_filter, spelled_number
 from processor.core.keys import KeyError_, validate_user_keys
-from processor.core.paths import MISSING, PathError, get_path, project, split_path
+from processor.core.paths import MISSING, PathError, get_path, project, split_path, within
 from processor.core.rawfilter import raw_prefilter
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
+from processor.topology import Topology
 
 
 @dataclass
@@ -267,3 +268,32 @@ def selection(query: SowQuery, key_paths: tuple[tuple[str, ...], ...]) -> list[t
 def result(key: str, record: SowRecord, select: list[tuple[str, ...]] | None = None) -> dict:
     data = project(record.data, select) if select else record.data
     return {"sow_key": key, "seq": record.seq, "expires_at": record.expires_at, "record": data}
+
+
+def through_view(topology: Topology, name: str, filter: str | None, select: list[str] | None,
+                 order_by: str | None = None) -> tuple[str, str | None, list[str] | None]:
+    """A query of a view reads its SOW topic through the view's filter and select list, as the view's
+    own topics show it (not conflated): (SOW topic, filter, select list); a name that is no view
+    comes back as it was. The caller's filter must parse on its own (errors point into it) and reads
+    the view's records: a field the view's select list leaves out is NULL to it, and ordering by one
+    is refused (QueryError). The client and a worker's HTTP endpoint both answer a view this way."""
+    view = topology.view(name)
+    if view is None:
+        return name, filter, select
+    spec = topology.topic(view.topic)
+    shown = [*view.select, *spec.key_spec.paths] if view.select else []  # a view's records always carry the key fields
+    if shown:
+        selected = [split_path(path) for path in shown]
+        outside = [path for path in select or () if not within(split_path(path), selected)]
+        if order_by and not within(SowQuery(order_by=order_by).ordering[0], selected):
+            outside.append(order_by.split()[0])
+        if outside:
+            raise QueryError(f"{', '.join(outside)} not in the select list of view {name} ({', '.join(view.select)})")
+    if not filter or not filter.strip():
+        return view.topic, view.filter, select or view.select or None
+    yours = compile_filter(filter)
+    both = f"({view.filter}) AND ({format_filter(yours.seen_through(shown) if shown else yours)})"
+    if len(both) > MAX_FILTER_CHARS:
+        raise QueryError(f"the filter and the filter of view {name} make {len(both):,} characters together, "
+                         f"over the {MAX_FILTER_CHARS:,} a filter may have")
+    return view.topic, both, select or view.select or None

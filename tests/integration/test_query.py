@@ -15,7 +15,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def cluster(kafka_bootstrap, unique_name, tmp_path, admin):
-    path = write_topology(tmp_path, unique_name, hash_indexes=[["/status"], ["/region", "/desk"]])
+    held = {"name": f"{unique_name}_held", "topic": unique_name, "filter": "/status = 'held'", "select": ["/qty"]}
+    path = write_topology(tmp_path, unique_name, views=[held], hash_indexes=[["/status"], ["/region", "/desk"]])
     group = f"g-{unique_name}"
     workers = [Worker(kafka_bootstrap, path, group, tmp_path / f"d{i}", f"w{i}").start() for i in (1, 2)]
 
@@ -86,6 +87,7 @@ def test_a_filter_longer_than_a_url_allows_is_answered_by_the_workers(cluster):
 
 
 def test_indexed_queries_read_only_candidates(cluster):
+    import urllib.error
     import urllib.request
 
     import orjson
@@ -103,6 +105,20 @@ def test_indexed_queries_read_only_candidates(cluster):
         read += answer["plan"]["read"]
         assert all(r["record"]["status"] == "held" for r in answer["results"])
     assert read == 20  # only the 20 'held' records were read, not all 60
+    # A view's name reads its topic through the view's filter and select list, as the client does.
+    held, read = [], 0
+    for w in workers:
+        url = f"{w['url']}/sow/{topic}_held?filter=" + urllib.request.quote("/qty >= 30 OR /desk = 1")
+        answer = orjson.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert answer["plan"]["index"] == 0
+        read += answer["plan"]["read"]
+        held += [r["record"] for r in answer["results"]]
+    assert read == 20
+    assert sorted(held, key=lambda r: r["id"]) == [{"id": i, "qty": i} for i in range(30, 60) if i % 3 == 2]  # /desk is not in the view
+    assert held and sorted(held, key=lambda r: r["id"]) == sorted((r.record for r in client.query(f"{topic}_held", filter="/qty >= 30 OR /desk = 1")), key=lambda r: r["id"])
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{workers[0]['url']}/sow/{topic}_held?order_by=/desk", timeout=10)
+    assert refused.value.code == 400 and b"not in the select list of view" in refused.value.read()
 
 
 def test_delete_by_filter_reports_the_count_and_emits_deletes(cluster, kafka_bootstrap):

@@ -11,10 +11,10 @@ from confluent_kafka import Producer
 from processor.testing import WorkerProcess, read_topic, wait_until  # noqa: F401 (used by the tests)
 
 
-def write_topology(tmp_path: Path, topic: str, **options) -> Path:
+def write_topology(tmp_path: Path, topic: str, views: list[dict] | None = None, **options) -> Path:
     entry = {"topic": topic, "key": ["/id"], "partitions": 4, **options}
     path = tmp_path / f"{topic}.yaml"
-    path.write_text(yaml.safe_dump({"sow": [entry]}))
+    path.write_text(yaml.safe_dump({"sow": [entry], **({"views": views} if views else {})}))
     return path
 
 

@@ -18,7 +18,7 @@ import os
 import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import orjson
@@ -29,8 +29,9 @@ from processor.contract.errors import ConfigError, KsowError
 from processor.contract.limits import query_threads
 from processor.core.filters import FilterError
 from processor.kafka.registry import REFRESH_S, announcement
-from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, run_query
+from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, run_query, through_view
 from processor.runners.faust import metrics
+from processor.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class WorkerView(Protocol):
     hands one in: processor.runners.faust.worker.LoopView)."""
 
     group: str
+    topology: Topology
 
     def topics(self) -> list[str]: ...
 
@@ -236,9 +238,15 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
     async def sow_query(view, topic: str, params: dict):
         """Query the SOW partitions this worker serves, with the parameters filter, keys, select,
         top and order_by (the caller checked the token)."""
+        try:
+            query = SowQuery.from_params(params)
+            topic, filter, select = through_view(worker.topology, topic, query.filter, list(query.select), query.order_by)
+        except (FilterError, KsowError, ValueError) as exc:
+            return _json(view, {"error": str(exc)}, 400)
         engine = worker.engine(topic)
         if engine is None:
             return _json(view, {"error": f"unknown SOW topic {topic}"}, 404)
+        query = replace(query, filter=filter, select=tuple(select or ()))
 
         def run():
             served = worker.served(topic)
@@ -246,7 +254,6 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
             return served, rows, plan
 
         try:
-            query = SowQuery.from_params(params)
             try:
                 await asyncio.wait_for(slots.acquire(), settings.limits.max_seconds)
             except asyncio.TimeoutError:

@@ -185,6 +185,7 @@ class LoopView:
 
     def __init__(self, worker: SowWorker):
         self.group = worker.group
+        self.topology = worker.topology
         self._loop = worker.loop
         self._producer = None
         self._bootstrap = worker.bootstrap
