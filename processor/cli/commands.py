@@ -61,6 +61,9 @@ def _split(text: str | None) -> list[str] | None:
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
+DIAGNOSE_S = 3.0  # after a command failed to reach Kafka, how long a fresh client may take to say why
+
+
 class _Commands(click.Group):
     """Errors meant for the user (bad settings, a cluster that refuses us) end the command with
     one line and exit status 1, not a traceback."""
@@ -80,6 +83,16 @@ class _Commands(click.Group):
             if err is not None and hasattr(err, "code") and err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT):
                 address = (ctx.obj or {}).get("bootstrap")
                 if address:
+                    # The failed call only says "transport failure": a refused login or certificate is
+                    # told to error callbacks, which a fresh client asks for.
+                    from processor.kafka.clients import KafkaRefused, KafkaUnreachable, reach
+
+                    try:
+                        reach(address, DIAGNOSE_S)
+                    except KafkaRefused as why:
+                        raise click.ClickException(str(why)) from None
+                    except KafkaUnreachable:
+                        pass
                     reason += f" (Kafka at {address}: are --bootstrap (KAFKA_BOOTSTRAP) and --kafka-config right, and is it up?)"
             raise click.ClickException(f"Kafka: {reason}") from None
 
@@ -114,8 +127,14 @@ def _bootstrap_or_embedded(bootstrap: str | None):
     if bootstrap:
         yield bootstrap
         return
+    from processor.kafka.config import kafka_config
     from processor.kafka.embedded import EmbeddedKafka
 
+    secured = sorted(name for name in kafka_config().properties if name.startswith(("security.", "sasl.", "ssl.")))
+    if secured:  # meant for a secured cluster: the embedded broker is plaintext, and not that cluster
+        _fail(f"no Kafka bootstrap (--bootstrap, KAFKA_BOOTSTRAP or bootstrap.servers in the client settings), but the "
+              f"client settings are for a secured cluster ({', '.join(secured)}): give its address rather than "
+              "starting the embedded broker")
     click.echo("no --bootstrap or KAFKA_BOOTSTRAP: starting the embedded Kafka broker...", err=True)
     with EmbeddedKafka() as kafka:
         click.echo(f"embedded Kafka broker at {kafka.bootstrap}", err=True)
@@ -283,24 +302,26 @@ REACH_TIMEOUT_S = 15.0  # how long a starting worker waits for the cluster to an
 
 
 def _reachable_or_exit(address: str) -> None:
-    """A worker that cannot reach the cluster says so and exits at once (with STARTUP_FAILED, so that
-    `ksow up --workers N` stops rather than restarting it forever), not after its clients' timeouts."""
-    from confluent_kafka import KafkaException
-
-    from processor.kafka.clients import make_admin
+    """A worker that cannot reach the cluster says so and exits at once, not after its clients'
+    timeouts: with SETTINGS_REFUSED when the cluster refused its login or TLS handshake (`ksow up
+    --workers N` then stops, as trying again cannot help), else with STARTUP_FAILED (it retries a
+    few times)."""
+    from processor.kafka.clients import KafkaRefused, KafkaUnreachable, reach
+    from processor.runners.faust.pool import SETTINGS_REFUSED
 
     try:
-        make_admin(address).list_topics(timeout=REACH_TIMEOUT_S)
-    except KafkaException as exc:
-        _startup_failed(f"cannot reach Kafka at {address} within {REACH_TIMEOUT_S:.0f}s ({exc.args[0].str() if exc.args else exc}): "
-                        "is it up, and are --bootstrap (KAFKA_BOOTSTRAP) and the client settings right?")
+        reach(address, REACH_TIMEOUT_S)
+    except KafkaRefused as exc:
+        _startup_failed(str(exc), SETTINGS_REFUSED)
+    except KafkaUnreachable as exc:
+        _startup_failed(str(exc))
 
 
-def _startup_failed(message: str) -> NoReturn:
+def _startup_failed(message: str, status: int | None = None) -> NoReturn:
     from processor.runners.faust.pool import STARTUP_FAILED
 
     click.echo(f"Error: {message}", err=True)
-    sys.exit(STARTUP_FAILED)
+    sys.exit(STARTUP_FAILED if status is None else status)
 
 
 def _pool_worker_argv(address, topology, group, base: Path, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:

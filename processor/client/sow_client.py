@@ -128,6 +128,10 @@ class Client:
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
                               "when they start (ksow up --topology ...)")
+        if found.error is not None and found.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            # else reading its offsets fails only with "unknown partition", after 30 s of retries
+            raise ClientError(f"this client is not authorized to use Kafka topic {name} ({found.error.str()}): "
+                              "grant its user access to the topic (Kafka ACLs)")
         self._existing.add(name)
 
     def _remember_error(self, error: KafkaError) -> None:
@@ -685,7 +689,7 @@ def _as_answered(workers: list[dict], ask: Callable[[dict], Any]) -> Iterator[tu
 def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0, body: bytes | None = None) -> Any:
     """GET a worker's JSON answer (POST `body`, a JSON object, when given); None when the worker is
     gone or answers no JSON (its partitions will be missing, and another worker or the changelog
-    answers for them)."""
+    answers for them). Never raises: it runs on an asker thread (`_as_answered`)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if body is not None:
         headers["Content-Type"] = "application/json"
@@ -699,7 +703,13 @@ def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = 
         except orjson.JSONDecodeError:
             log.warning("worker %s answered HTTP %d without a JSON error: its partitions are read from the changelog", url, exc.code)
             return None
-    except (urllib.error.URLError, OSError, orjson.JSONDecodeError):
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ssl.SSLCertVerificationError):
+            # Not a worker that is gone: every answer would be refused alike, and the query would
+            # quietly read the changelog instead. Told as the worker's error (the caller raises it).
+            return {"error": f"its HTTPS certificate is not trusted ({exc.reason.verify_message}): set KSOW_WEB_CA to the CA that signed it"}
+        return None
+    except (OSError, orjson.JSONDecodeError):
         return None
 
 

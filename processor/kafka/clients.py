@@ -36,6 +36,45 @@ def make_admin(bootstrap: str, **overrides) -> AdminClient:
     return AdminClient(_client_config(bootstrap, {}, overrides))
 
 
+# Errors librdkafka reports to error callbacks only (a metadata call just fails with "transport
+# failure" when its time is up): the cluster refuses this client's settings, and trying again will
+# not help.
+_REFUSALS = frozenset({KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.SASL_AUTHENTICATION_FAILED})
+
+
+class KafkaRefused(ConfigError):
+    """The cluster answered but refused this client's settings (a login, a certificate)."""
+
+
+class KafkaUnreachable(ConfigError):
+    """No broker answered in time."""
+
+
+def reach(bootstrap: str, timeout: float) -> None:
+    """Return once the cluster answers a metadata request. Raise KafkaRefused at once when it refuses
+    the login or the TLS handshake (with librdkafka's reason, which no metadata call gives), else
+    KafkaUnreachable after `timeout` seconds, with the last connection error seen."""
+    seen: list[KafkaError] = []
+    admin = AdminClient(_client_config(bootstrap, {}, {"error_cb": seen.append, "log_level": 0}))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            admin.list_topics(timeout=max(0.05, min(0.5, deadline - time.monotonic())))
+            return
+        except KafkaException:
+            pass
+        admin.poll(0)  # serves the error callbacks
+        refused = next((e for e in seen if e.code() in _REFUSALS), None)
+        if refused is not None:
+            raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
+                               "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")
+        if time.monotonic() >= deadline:
+            causes = [e.str() for e in seen if e.code() != KafkaError._ALL_BROKERS_DOWN]
+            cause = f": {causes[-1]}" if causes else ""
+            raise KafkaUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout:g}s{cause} (is it up, and are "
+                                   "--bootstrap (KAFKA_BOOTSTRAP) and the client settings right?)")
+
+
 def make_producer(bootstrap: str, **overrides) -> Producer:
     defaults = {
         "linger.ms": 5,
@@ -209,13 +248,24 @@ def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.
     for p in partitions:
         while True:
             try:
-                out[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                out[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=min(10.0, max(0.5, deadline - time.monotonic())))
                 break
             except KafkaException as exc:
                 if exc.args[0].code() not in _TRANSIENT or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
     return out
+
+
+def topic_refused(client, topic: str) -> KafkaError | None:
+    """The cluster's refusal to let this client see `topic` (TOPIC_AUTHORIZATION_FAILED), if it is
+    one: reading an unauthorized topic's offsets fails only with "unknown partition"."""
+    try:
+        found = client.list_topics(topic, timeout=5).topics.get(topic)
+    except KafkaException:
+        return None
+    error = found.error if found is not None else None
+    return error if error is not None and error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED else None
 
 
 def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], idle_timeout: float | None = None) -> Iterator:

@@ -5,7 +5,8 @@ client) all need the same connection settings on a secured cluster: SASL, TLS, c
 come from two places, in this order (a later one wins per property):
 
 1. a librdkafka properties file: `--kafka-config FILE` on the command line, or `KSOW_KAFKA_CONFIG`;
-   one `name=value` a line, `#` or `!` starts a comment;
+   one `name=value` a line (or `name: value`, `name value`, as Java reads them), `#` or `!` starts
+   a comment;
 2. environment variables `KAFKA_<PROPERTY>` in the style of the Confluent images: upper case,
    `_` for `.`, `__` for `_`, `___` for `-` (`KAFKA_SASL_MECHANISM` -> `sasl.mechanism`).
    `KAFKA_BOOTSTRAP` is ksow's bootstrap address, not a property; other `KAFKA_*` variables that
@@ -65,19 +66,24 @@ class KafkaConfig:
         )
 
 
+_LINE = re.compile(r"([A-Za-z0-9._-]+)(?:\s*[=:]\s*|\s+|$)(.*)")  # Java's separators: '=', ':' or blanks
+
+
 def parse_properties(text: str, origin: str) -> list[tuple[str, str, str]]:
-    """(name, value, "origin:line") of each setting of a properties file, in file order."""
+    """(name, value, "origin:line") of each setting of a properties file, in file order. As in a
+    Java client's properties file, a name ends at '=', ':' or a blank. An error never shows the
+    line's value: it may be a password."""
     settings = []
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line[0] in "#!":
             continue
         where = f"{origin}:{number}"
-        name, sep, value = line.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-            raise ConfigError(f"{where}: expected name=value, got {raw.strip()!r}")
-        settings.append((name, value, where))
+        match = _LINE.fullmatch(line)
+        if match is None:
+            raise ConfigError(f"{where}: expected name=value, with a property name (letters, digits, '.', '_', '-') first; "
+                              "the line is not shown, as it may hold a secret")
+        settings.append((match.group(1), match.group(2).strip(), where))
     return settings
 
 
@@ -118,15 +124,36 @@ def _validated(settings: list[tuple[str, str, str]]) -> KafkaConfig:
             bootstrap = value or None
             continue
         problem = _check_one(name, value)
-        if problem is not None and problem.startswith(("No such configuration property", "Invalid value")):
+        if problem is not None and problem.startswith("No such configuration property"):
+            raise ConfigError(f"{where}: {name}: {problem} (its value is not shown: a misspelt name may hold a secret)")
+        if problem is not None and problem.startswith("Invalid value"):
             raise ConfigError(f"{where}: {name}={_masked(name, value)}: {problem}")
+        if name.endswith(".location") and value and value != "probe" and not os.access(value, os.R_OK):
+            # librdkafka's own complaint names neither the property nor the file (an OpenSSL code)
+            reason = "cannot be read" if os.path.exists(value) else "does not exist"
+            raise ConfigError(f"{where}: {name}={value}: the file {reason}")
         properties[name], origins[name] = value, where
+    _check_protocol(properties, origins)
     if properties:
         problem = _check(properties)
         if problem is not None:
             sources = ", ".join(sorted(set(origins.values()), key=str))
             raise ConfigError(f"Kafka client settings ({sources}) are not usable together: {problem}")
     return KafkaConfig(properties, bootstrap, origins)
+
+
+def _check_protocol(properties: Mapping[str, str], origins: Mapping[str, str]) -> None:
+    """SASL or TLS settings under a security.protocol that does not use them are a ConfigError:
+    librdkafka would only warn, and connect in the clear without the credentials or the CA."""
+    protocol = properties.get("security.protocol", "plaintext").strip().lower()
+    for family, needed, protocols in (("sasl.", "sasl_", "SASL_SSL or SASL_PLAINTEXT"), ("ssl.", "ssl", "SSL or SASL_SSL")):
+        found = sorted(name for name in properties if name.startswith(family))
+        uses = protocol.startswith(needed) if needed == "sasl_" else protocol.endswith(needed)
+        if found and not uses:
+            where = origins.get("security.protocol")
+            said = f"security.protocol={protocol} ({where})" if where else "no security.protocol (plaintext)"
+            raise ConfigError(f"{', '.join(found)} ({', '.join(origins[n] for n in found)}) would be ignored with {said}: "
+                              f"set security.protocol to {protocols}")
 
 
 def _masked(name: str, value: str) -> str:

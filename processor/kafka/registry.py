@@ -13,9 +13,9 @@ import time
 from urllib.parse import urlsplit
 
 import orjson
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until, topic_refused
 
 log = logging.getLogger("ksow.registry")
 
@@ -49,8 +49,15 @@ def live_workers(bootstrap: str, group: str) -> list[dict]:
     try:
         try:
             ((_, high),) = end_offsets(consumer, REGISTRY_TOPIC, [0], timeout=3).values()
-        except KafkaException:  # no worker ever announced itself on this cluster
-            return []
+        except KafkaException as exc:
+            if exc.args[0].code() not in _NO_REGISTRY:
+                raise  # the cluster cannot be read at all: the caller's read of the SOW would fail too
+            refused = topic_refused(consumer, REGISTRY_TOPIC)
+            if refused is not None and REGISTRY_TOPIC not in _reported_refusal:
+                _reported_refusal.add(REGISTRY_TOPIC)
+                log.warning("cannot read %s, where the workers announce themselves (%s): queries read the SOW topics' "
+                            "changelogs instead, which is slower; grant this client's user Read on it", REGISTRY_TOPIC, refused.str())
+            return []  # else no worker ever announced itself on this cluster
         consumer.assign([TopicPartition(REGISTRY_TOPIC, 0, 0)])
         latest: dict[bytes | None, bytes | None] = {}
         for msg in read_until(consumer, {(REGISTRY_TOPIC, 0): high}):
@@ -76,6 +83,10 @@ def live_workers(bootstrap: str, group: str) -> list[dict]:
 
 _MAX_PARTITION = 2**31 - 1
 _reported: set[tuple] = set()
+_reported_refusal: set[str] = set()
+# What reading the registry's offsets fails with when it does not exist (or may not be seen).
+_NO_REGISTRY = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                          KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.TOPIC_AUTHORIZATION_FAILED})
 
 
 def entry_problem(key: bytes | None, entry: object) -> str | None:

@@ -134,6 +134,49 @@ def test_clients_without_credentials_are_refused(secured, topic, tmp_path):
         make_admin(secured.bootstrap).list_topics(timeout=5)
 
 
+def test_a_refused_login_is_told_with_its_reason_and_a_worker_pool_stops_at_once(secured, topic, tmp_path):
+    """Audit: query and subscribe said only "Broker transport failure" (after 30 s for a query), and
+    `ksow up --workers 2` restarted its workers for 58 s before it stopped."""
+    name, path = topic
+    wrong = tmp_path / "wrong.properties"
+    wrong.write_text(secured.client_config_path.read_text().replace(secured.client_config["sasl.password"], "not-the-password"))
+    for command in (["query", name], ["subscribe", name, "--sow", "--timeout", "3"]):
+        began = time.monotonic()
+        done = ksow(*command, "--kafka-config", str(wrong), "--topology", str(path))
+        assert done.returncode == 1 and f"Kafka at {secured.bootstrap} refused this client: " in done.stderr, done.stderr[-2000:]
+        assert "Authentication failed" in done.stderr and "not-the-password" not in done.stderr
+        assert time.monotonic() - began < 25
+    began = time.monotonic()
+    done = ksow("up", "--kafka-config", str(wrong), "--topology", str(path), "--group", f"g-{name}",
+                "--data-dir", str(tmp_path / "pool"), "--workers", "2", timeout=90)
+    assert done.returncode == 1 and "the cluster refused its client settings: stopping" in done.stderr, done.stderr[-2000:]
+    assert "restarting" not in done.stderr and time.monotonic() - began < 30
+
+
+def test_a_user_without_access_is_told_which_topic_it_may_not_use(secured, topic, tmp_path):
+    """Audit: a user the authorizer gives no access got "Unknown partition" after 31-37 s."""
+    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+
+    name, path = topic
+    user = f"nobody_{uuid.uuid4().hex[:6]}"
+    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"nobody-password")
+    admin = make_admin(secured.bootstrap)
+    for future in admin.alter_user_scram_credentials([upsert]).values():
+        future.result(30)
+    config = tmp_path / "nobody.properties"
+    config.write_text(secured.client_config_path.read_text()
+                      .replace(f"sasl.username={secured.client_config['sasl.username']}", f"sasl.username={user}")
+                      .replace(secured.client_config["sasl.password"], "nobody-password"))
+    for command, topic_named in ((["query", name], f"{name}.sow"), (["subscribe", name, "--sow", "--timeout", "3"], f"{name}.sow"),
+                                 (["delete", name, "--keys", "x"], name)):
+        began = time.monotonic()
+        done = ksow(*command, "--kafka-config", str(config), "--topology", str(path))
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert f"this client is not authorized to use Kafka topic {topic_named} (Broker: Topic authorization failed)" in done.stderr
+        assert time.monotonic() - began < 25
+    assert "where the workers announce themselves (Broker: Topic authorization failed)" in ksow("query", name, "--kafka-config", str(config), "--topology", str(path)).stderr
+
+
 @pytest.mark.spark
 def test_spark_snapshot_reads_the_secured_topics(secured, topic):
     pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'ksow[spark]')")

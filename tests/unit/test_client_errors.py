@@ -237,3 +237,39 @@ def test_a_registry_cached_before_the_workers_announced_is_read_again(monkeypatc
     finally:
         workers.stop()
     assert [row.record for row in rows] == [{"order_id": 1}] and client.last_query_source == "workers"
+
+
+def test_a_worker_certificate_the_client_does_not_trust_is_an_error_not_a_quiet_fallback(tmp_path):
+    """Audit: without KSOW_WEB_CA a query of HTTPS workers read the changelog instead, saying
+    nothing; with the CA it is answered by the worker."""
+    import http.server
+    import ssl
+    import threading
+
+    from processor.client.sow_client import _http_json, _tls_context
+    from processor.kafka.certs import make_server_tls
+
+    tls = make_server_tls(tmp_path)
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"partitions": [], "results": []}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.keystore)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"https://127.0.0.1:{server.server_address[1]}/sow/orders"
+        refused = _http_json(url, timeout=10)
+        assert "its HTTPS certificate is not trusted" in refused["error"] and "KSOW_WEB_CA" in refused["error"]
+        assert _http_json(url, tls=_tls_context(str(tls.ca)), timeout=10) == {"partitions": [], "results": []}
+        assert _http_json("https://127.0.0.1:1/sow/orders", timeout=5) is None  # a worker gone: its partitions are asked again
+    finally:
+        server.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 
 import pytest
@@ -53,15 +54,41 @@ def test_properties_file_lines_comments_and_values_with_equals_signs():
     ]
 
 
-@pytest.mark.parametrize("line", ["security.protocol", "=SASL_SSL", "sasl username=x"])
-def test_malformed_line_names_file_and_line(line):
-    with pytest.raises(ConfigError, match=r"^f:2: expected name=value"):
+def test_names_end_at_the_separators_a_java_client_reads():
+    text = "sasl.username: ksow\nsasl.password Hunter2 x\nclient.id\n"
+    assert parse_properties(text, "f") == [("sasl.username", "ksow", "f:1"), ("sasl.password", "Hunter2 x", "f:2"), ("client.id", "", "f:3")]
+
+
+@pytest.mark.parametrize("line", ["=Hunter2", '"sasl.password"=Hunter2', "[sasl] password Hunter2"])
+def test_malformed_line_names_file_and_line_but_never_its_value(line):
+    with pytest.raises(ConfigError, match=r"^f:2: expected name=value") as refused:
         parse_properties(f"# ok\n{line}\n", "f")
+    assert "Hunter2" not in str(refused.value)
 
 
-def test_unknown_property_names_the_line(tmp_path):
-    path = write(tmp_path, "security.protocol=SSL\nsasl.mechanizm=PLAIN\n")
-    with pytest.raises(ConfigError, match=rf"^{path}:2: sasl.mechanizm=PLAIN: No such configuration property"):
+def test_unknown_property_names_the_line_but_not_its_value(tmp_path):
+    """A misspelt sasl.password must not print the password."""
+    path = write(tmp_path, "security.protocol=SSL\nsasl.pasword=Hunter2\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: sasl.pasword: No such configuration property") as refused:
+        load_kafka_config(path, {})
+    assert "Hunter2" not in str(refused.value)
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("sasl.mechanism=PLAIN\nsasl.username=u\nsasl.password=p\n", re.escape("with no security.protocol (plaintext): set security.protocol to SASL_SSL or SASL_PLAINTEXT")),
+    ("security.protocol=SSL\nsasl.mechanism=PLAIN\n", "with security.protocol=ssl"),
+    ("security.protocol=SASL_PLAINTEXT\nsasl.mechanism=PLAIN\nsasl.username=u\nsasl.password=p\nssl.ca.location=probe\n",
+     r"ssl.ca.location \(.*:5\) would be ignored with security.protocol=sasl_plaintext"),
+])
+def test_security_settings_a_protocol_would_ignore_are_refused(tmp_path, text, problem):
+    """librdkafka only warns, then connects in the clear without the credentials or the CA."""
+    with pytest.raises(ConfigError, match=problem):
+        load_kafka_config(write(tmp_path, text), {})
+
+
+def test_a_file_setting_names_the_file_it_cannot_read(tmp_path):
+    path = write(tmp_path, f"security.protocol=SSL\nssl.ca.location={tmp_path}/nowhere.pem\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2: ssl.ca.location={tmp_path}/nowhere.pem: the file does not exist$"):
         load_kafka_config(path, {})
 
 

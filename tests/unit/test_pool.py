@@ -45,6 +45,16 @@ def test_a_worker_that_never_gets_going_stops_the_pool_however_long_it_tried(mon
     assert sum("restarting it in 1s" in line for line in other) >= 3 and "stopping" not in other[-1]
 
 
+def test_a_worker_whose_settings_the_cluster_refused_stops_the_pool_at_once():
+    """Audit: with a wrong password each worker was restarted twice more (58 s) before the pool
+    stopped; a refused login or certificate is refused again."""
+    said: list[str] = []
+    code = f"import sys, time; sys.exit({pool_module.SETTINGS_REFUSED}) if sys.argv[1] == '1' else time.sleep(30)"
+    assert WorkerPool(2, _python(code), say=said.append).run() == 1
+    assert said[-1] == "worker 1: the cluster refused its client settings: stopping"
+    assert not any("restarting" in line for line in said)
+
+
 def test_sigterm_stops_every_worker_and_a_dead_one_is_restarted(tmp_path):
     marks = tmp_path / "starts"
     code = f"import sys, time; open({str(marks)!r}, 'a').write(sys.argv[1] + '\\n'); time.sleep(60)"

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 QUICK_EXIT_S = 15.0  # a worker that exits this soon after its start did not get going
 STARTUP_FAILED = 3  # the exit status of a worker that could not get going (the cluster did not answer), however long it tried
+SETTINGS_REFUSED = 4  # the exit status of a worker whose login or TLS handshake the cluster refused: the pool stops
 MAX_QUICK_EXITS = 3  # in a row, for one worker: the pool stops with an error
 STOP_TIMEOUT_S = 60.0  # after SIGTERM, how long a worker may take to commit and leave the group
 _PR_SET_PDEATHSIG = 1
@@ -45,6 +46,7 @@ class _Member:
     quick_exits: int = 0
     restart_at: float = 0.0
     backoff: float = 1.0
+    status: int | None = None  # of its last exit
 
 
 class WorkerPool:
@@ -69,7 +71,10 @@ class WorkerPool:
             while not self._stopping:
                 failed = self._watch()
                 if failed is not None:
-                    self.say(f"worker {failed.index} exited {MAX_QUICK_EXITS} times within {QUICK_EXIT_S:.0f}s of its start, or without getting going: stopping")
+                    if failed.status == SETTINGS_REFUSED:
+                        self.say(f"worker {failed.index}: the cluster refused its client settings: stopping")
+                    else:
+                        self.say(f"worker {failed.index} exited {MAX_QUICK_EXITS} times within {QUICK_EXIT_S:.0f}s of its start, or without getting going: stopping")
                     return 1
                 time.sleep(0.2)
             return 0
@@ -95,7 +100,9 @@ class WorkerPool:
                 status = proc.poll()
                 if status is None:
                     continue
-                member.proc = None
+                member.proc, member.status = None, status
+                if status == SETTINGS_REFUSED:
+                    return member  # the same settings would be refused again
                 quick = now - member.started < QUICK_EXIT_S or status == STARTUP_FAILED
                 member.quick_exits = member.quick_exits + 1 if quick else 0
                 if member.quick_exits >= MAX_QUICK_EXITS:
