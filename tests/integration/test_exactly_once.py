@@ -376,6 +376,34 @@ def test_inputs_sent_together_to_a_caught_up_worker_stay_in_order(kafka_bootstra
         worker.kill()
 
 
+def test_publisher_timestamps_behind_the_workers_clock_stay_in_order(kafka_bootstrap, unique_name, tmp_path):
+    """Audit: with publisher timestamps (CreateTime topics) ten minutes behind the worker's clock, one
+    producer sending in timestamp order, a caught-up worker applied deltas before the full publishes
+    stamped before them: it took an input it saw at its end as holding nothing older than its clock
+    less the grace, which only the broker's own stamps (LogAppendTime) promise."""
+    path, spec = topology_file(tmp_path, unique_name)
+    ensure_topics(make_admin(kafka_bootstrap), {t: (n, {k: v for k, v in cfg.items() if k != "message.timestamp.type"}) for t, (n, cfg) in topic_configs(spec).items()})
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env={"KSOW_ORDER_GRACE_MS": "200"}).start()
+    try:
+        wait_until(lambda: "restored" in worker.log(), 60, "the worker took its partitions")
+        producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
+        base = int(time.time() * 1000) - 600_000
+        rnd = random.Random(7)
+        for i in range(1500):
+            rid = rnd.randrange(100)
+            key = spec.key_spec.sow_key({"id": rid}).encode()
+            producer.produce(spec.topic, orjson.dumps({"id": rid, "v": i}), key, timestamp=base + 2 * i)
+            producer.produce(spec.delta_topic, orjson.dumps({"id": rid, "w": i}), key, timestamp=base + 2 * i + 1)
+            producer.poll(0)
+            if i % 5 == 0:
+                time.sleep(rnd.random() * 0.004)
+        producer.flush(30)
+        wait_settled(kafka_bootstrap, spec)
+        assert_exactly_once(kafka_bootstrap, spec)
+    finally:
+        worker.kill()
+
+
 @pytest.mark.parametrize("expiration,n", [("disabled", 300_000), ("enabled", 60_000)])
 def test_a_backlog_longer_than_the_max_idle_time_stays_in_order(kafka_bootstrap, unique_name, tmp_path, expiration, n):
     """300,000 full publishes and deltas on 4,000 records, all on the broker before the worker

@@ -43,7 +43,7 @@ from enum import Enum
 from functools import partial
 from pathlib import Path
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME as _LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from processor.contract import headers as H
@@ -403,6 +403,9 @@ class SowLoop:
         # largest sort time filed at least the grace ago (what a caught-up input's next message follows).
         self._filings: dict[str, deque] = {}
         self._settled: dict[str, int] = {}
+        # SOW topics an input message of which carried its publisher's timestamp (CreateTime): for
+        # them the clock says nothing of what a caught-up input may still hold (_caught_up_bounds).
+        self._publisher_stamped: set[str] = set()
         self._release_at = 0.0  # monotonic instant the grace frees an entry the merge held (0: none held)
         self.transactional_id = f"ksow-{group}-{instance}"
         membership = {"group.instance.id": self.transactional_id} if self.settings.static_membership else {}
@@ -673,7 +676,9 @@ class SowLoop:
                 # Filed already: a fetch served again (librdkafka resumes a paused partition from
                 # the position its application last saw). Applied twice, it would repeat outputs.
                 continue
-            ts = msg.timestamp()[1]
+            kind, ts = msg.timestamp()
+            if kind != _LOG_APPEND_TIME and rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
+                self._publisher_stamped.add(task.engine.spec.topic)
             top = task.tops[rank]
             if ts > top:
                 task.tops[rank] = top = ts
@@ -759,8 +764,9 @@ class SowLoop:
     def _caught_up_bounds(self, topic: str, tasks: list[Task]) -> list[tuple]:
         """For each input of a SOW topic, a sort key its messages not fetched yet will follow, were it
         caught up (drain_in_order uses it for the inputs that are): its last entry, and past the grace
-        both the largest sort time filed that long ago and the clock minus the grace (a message
-        appended since has a later timestamp, as the broker stamps them: `timestamps: arrival`)."""
+        the largest sort time filed that long ago and, when the broker stamps the inputs (`timestamps:
+        arrival`, LogAppendTime), the clock minus the grace (a message appended since has a later
+        timestamp). Publishers' stamps can be any distance behind the worker's clock."""
         grace = self.settings.order_grace_ms
         marks = self._filings.get(topic)
         settled = self._settled.get(topic, 0)
@@ -769,7 +775,8 @@ class SowLoop:
             while marks and marks[0][0] <= cutoff:
                 settled = marks.popleft()[1]
             self._settled[topic] = settled
-        floor = (max(settled, time.time_ns() // 1_000_000 - grace - 1), _AFTER_ALL)
+        clock = 0 if topic in self._publisher_stamped else time.time_ns() // 1_000_000 - grace - 1
+        floor = (max(settled, clock), _AFTER_ALL)
         bounds = []
         for t in tasks:
             for rank, q in enumerate(t.queues):
@@ -782,10 +789,11 @@ class SowLoop:
         head = min(q[0][0] for q in queues if q)
         marks = self._filings.get(topic)
         grace = self.settings.order_grace_ms / 1000
-        release = time.monotonic() + (head + 1 - time.time_ns() / 1_000_000) / 1000 + grace
+        # By the clock only when the broker stamps the inputs (see _caught_up_bounds).
+        release = float("inf") if topic in self._publisher_stamped else time.monotonic() + (head + 1 - time.time_ns() / 1_000_000) / 1000 + grace
         if marks:
             release = min(release, marks[0][0] + grace)
-        if release > time.monotonic() and (not self._release_at or release < self._release_at):
+        if time.monotonic() < release < float("inf") and (not self._release_at or release < self._release_at):
             self._release_at = release
 
     def _commit_open(self, rewind: bool = True) -> bool:
