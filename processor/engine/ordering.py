@@ -35,7 +35,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from itertools import islice, repeat, takewhile
-from typing import Sequence
+from typing import Iterable, Sequence
 
 _NO_BOUND = (float("inf"),)
 
@@ -96,6 +96,21 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
     if live > 1:
         taken.sort()  # runs of already ordered entries: timsort merges them in C
     return taken
+
+
+def in_partition_time_order(entries: Iterable[tuple]) -> list[tuple]:
+    """Entries (timestamp, rank, partition, offset, item) of several input partitions, all at hand,
+    in the order a merge of their queues gives: each entry's sort time is the largest timestamp so far
+    on its input partition (rank, partition), so a timestamp that goes backwards keeps its offset's
+    place. Returned as (sort time, rank, partition, offset, item)."""
+    tops: dict[tuple[int, int], int] = {}
+    keyed = []
+    for ts, rank, partition, offset, item in sorted(entries, key=lambda e: (e[1], e[2], e[3])):
+        tp = (rank, partition)
+        top = tops[tp] = max(ts, tops.get(tp, ts))
+        keyed.append((top, rank, partition, offset, item))
+    keyed.sort(key=lambda e: e[:4])
+    return keyed
 
 
 def _drop_first(q: deque, n: int) -> None:

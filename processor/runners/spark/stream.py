@@ -37,6 +37,7 @@ from processor.contract.errors import InputError, UnsupportedByEngine
 from processor.contract.types import InputMessage, Output, SowRecord
 from processor.core.filters import FilterError
 from processor.core.keys import owner_partition
+from processor.engine.ordering import in_partition_time_order
 from processor.engine.outputs import rejected
 from processor.engine.partition import scan_matching
 from processor.engine.topic import SowTopicEngine
@@ -196,7 +197,8 @@ def make_processor(spec: SowTopic, views=(), base: Path | None = None):
         def handleInputRows(self, key, rows_in, timerValues) -> Iterator[Any]:
             (gkey,) = key
             now = timerValues.getCurrentProcessingTimeInMs()
-            ordered = sorted(rows_in, key=lambda r: (r["ts"], r["rank"], r["partition"], r["offset"]))
+            # As a worker merges its inputs: a partition's timestamps that go backwards keep their offsets' order.
+            ordered = [e[4] for e in in_partition_time_order((r["ts"] or 0, r["rank"], r["partition"], r["offset"], r) for r in rows_in)]
             out: list[Output] = []
             if gkey == ERRORS_GROUP:
                 for row in ordered:
