@@ -99,7 +99,7 @@ def load_kafka_config(path: str | os.PathLike | None = None, environ: Mapping[st
     settings: list[tuple[str, str, str]] = []
     if path:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8-sig")  # an editor's byte order mark is not part of line 1
         except OSError as exc:
             raise ConfigError(f"Kafka config file {path}: {exc.strerror or exc}") from None
         settings += parse_properties(text, str(path))

@@ -59,6 +59,12 @@ def test_names_end_at_the_separators_a_java_client_reads():
     assert parse_properties(text, "f") == [("sasl.username", "ksow", "f:1"), ("sasl.password", "Hunter2 x", "f:2"), ("client.id", "", "f:3")]
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_not_part_of_the_settings(tmp_path):
+    path = tmp_path / "client.properties"
+    path.write_bytes("\ufeffclient.id=ksow\r\nsecurity.protocol=plaintext\r\n".encode())
+    assert dict(load_kafka_config(path, {}).properties) == {"client.id": "ksow", "security.protocol": "plaintext"}
+
+
 @pytest.mark.parametrize("line", ["=Hunter2", '"sasl.password"=Hunter2', "[sasl] password Hunter2"])
 def test_malformed_line_names_file_and_line_but_never_its_value(line):
     with pytest.raises(ConfigError, match=r"^f:2: expected name=value") as refused:
