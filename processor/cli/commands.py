@@ -91,8 +91,9 @@ class _Commands(click.Group):
                         reach(address, DIAGNOSE_S)
                     except KafkaRefused as why:
                         raise click.ClickException(str(why)) from None
-                    except KafkaUnreachable:
-                        pass
+                    except KafkaUnreachable as why:
+                        if why.cause:
+                            reason += f" ({why.cause})"
                     reason += f" (Kafka at {address}: are --bootstrap (KAFKA_BOOTSTRAP) and --kafka-config right, and is it up?)"
             raise click.ClickException(f"Kafka: {reason}") from None
 
@@ -130,10 +131,10 @@ def _bootstrap_or_embedded(bootstrap: str | None):
     from processor.kafka.config import kafka_config
     from processor.kafka.embedded import EmbeddedKafka
 
-    secured = sorted(name for name in kafka_config().properties if name.startswith(("security.", "sasl.", "ssl.")))
-    if secured:  # meant for a secured cluster: the embedded broker is plaintext, and not that cluster
+    protocol = kafka_config().properties.get("security.protocol", "plaintext")
+    if protocol.strip().lower() != "plaintext":  # meant for a secured cluster: the embedded broker is plaintext, and not that cluster
         _fail(f"no Kafka bootstrap (--bootstrap, KAFKA_BOOTSTRAP or bootstrap.servers in the client settings), but the "
-              f"client settings are for a secured cluster ({', '.join(secured)}): give its address rather than "
+              f"client settings are for a secured cluster (security.protocol={protocol}): give its address rather than "
               "starting the embedded broker")
     click.echo("no --bootstrap or KAFKA_BOOTSTRAP: starting the embedded Kafka broker...", err=True)
     with EmbeddedKafka() as kafka:

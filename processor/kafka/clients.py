@@ -11,7 +11,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from processor.contract.errors import ConfigError
-from processor.contract.limits import read_idle_timeout
+from processor.contract.limits import MAX_FUTURE_STAMP_MS, read_idle_timeout
 from processor.kafka.config import kafka_config
 from processor.topology import SowTopic
 
@@ -47,7 +47,11 @@ class KafkaRefused(ConfigError):
 
 
 class KafkaUnreachable(ConfigError):
-    """No broker answered in time."""
+    """No broker answered in time; `cause` is the last connection error librdkafka told, if any."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 def reach(bootstrap: str, timeout: float) -> None:
@@ -64,15 +68,16 @@ def reach(bootstrap: str, timeout: float) -> None:
         except KafkaException:
             pass
         admin.poll(0)  # serves the error callbacks
-        refused = next((e for e in seen if e.code() in _REFUSALS), None)
+        # An identity provider that cannot be reached (OAUTHBEARER's token endpoint) is an outage, not a refusal.
+        refused = next((e for e in seen if e.code() in _REFUSALS and "OAUTHBEARER token" not in e.str()), None)
         if refused is not None:
             raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
                                "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")
         if time.monotonic() >= deadline:
             causes = [e.str() for e in seen if e.code() != KafkaError._ALL_BROKERS_DOWN]
-            cause = f": {causes[-1]}" if causes else ""
-            raise KafkaUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout:g}s{cause} (is it up, and are "
-                                   "--bootstrap (KAFKA_BOOTSTRAP) and the client settings right?)")
+            cause = causes[-1] if causes else None
+            raise KafkaUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout:g}s{f': {cause}' if cause else ''} (is it up, "
+                                   "and are --bootstrap (KAFKA_BOOTSTRAP) and the client settings right?)", cause)
 
 
 def make_producer(bootstrap: str, **overrides) -> Producer:
@@ -116,6 +121,9 @@ def produce(producer: Producer, topic: str, value, key=None, partition: int | No
             producer.poll(0.05)
 
 
+FUTURE_STAMPS = "message.timestamp.after.max.ms"  # Kafka 3.6+ (KIP-937)
+
+
 def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, str]]]:
     """Every topic a SOW topic uses: name -> (partitions, configs). All share the partition count."""
     n = spec.partitions
@@ -123,7 +131,9 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     # Inputs the worker creates take the broker's clock by default (`timestamps: arrival`, LogAppendTime):
     # a lifetime counts from the input's arrival whatever the publisher's clock says, and replays see
     # the same instants. The repartition topic keeps CreateTime: a rerouted input carries its timestamp.
-    arrival = {"message.timestamp.type": "LogAppendTime" if spec.timestamps == "arrival" else "CreateTime"}
+    # Publisher stamps far in the future are refused by the broker (MAX_FUTURE_STAMP_MS).
+    arrival = ({"message.timestamp.type": "LogAppendTime"} if spec.timestamps == "arrival" else
+               {"message.timestamp.type": "CreateTime", FUTURE_STAMPS: str(MAX_FUTURE_STAMP_MS)})
     inputs = ("input", "delta input")
     return {
         t.name: (n, arrival if t.role in inputs else compacted if t.compacted else {})
@@ -190,7 +200,12 @@ def ensure_topics(
             try:
                 future.result()
             except KafkaException as exc:
-                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                if exc.args[0].name() == "INVALID_CONFIG" and FUTURE_STAMPS in missing[name][1]:
+                    # A broker before Kafka 3.6 does not know the setting: the worker's own bound still holds.
+                    log.warning("%s: this cluster does not take %s; publishers' stamps far in the future are not refused", name, FUTURE_STAMPS)
+                    ensure_topics(admin, {name: (missing[name][0], {k: v for k, v in missing[name][1].items() if k != FUTURE_STAMPS})},
+                                  timeout, replication_factor, min_insync_replicas)
+                elif exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                     raise
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -47,7 +47,8 @@ RESERVED = frozenset({
     "enable.partition.eof", "isolation.level", "partitioner",
 })  # fmt: skip
 
-_SECRET = re.compile(r"password|secret|\.pem$|jaas|token", re.IGNORECASE)
+# Properties whose values are masked wherever settings are shown.
+_SECRET = re.compile(r"password|passphrase|secret|\.pem$|jaas|token(?!\.endpoint\.url)|oauthbearer\.config|credentials", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -66,25 +67,41 @@ class KafkaConfig:
         )
 
 
-_LINE = re.compile(r"([A-Za-z0-9._-]+)(?:\s*[=:]\s*|\s+|$)(.*)")  # Java's separators: '=', ':' or blanks
+_LINE = re.compile(r"([A-Za-z0-9._-]+)(?:\s*[=:]\s*|\s+|$)(.*)", re.DOTALL)  # Java's separators: '=', ':' or blanks
+_PROPERTY_SHAPED = re.compile(r"[a-z0-9_]+(\.[a-z0-9_-]+)+")  # as every librdkafka property name is
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # Java's, not str.splitlines()'s (which also breaks at \x0b, \x85, ...)
 
 
 def parse_properties(text: str, origin: str) -> list[tuple[str, str, str]]:
     """(name, value, "origin:line") of each setting of a properties file, in file order. As in a
-    Java client's properties file, a name ends at '=', ':' or a blank. An error never shows the
-    line's value: it may be a password."""
+    Java client's properties file, a name ends at '=', ':' or a blank, and a line ending in an odd
+    number of backslashes goes on on the next line (other escapes are kept as written). An error
+    never shows a value: a line that is not a setting, or a continuation read on its own, may be
+    a password."""
     settings = []
-    for number, raw in enumerate(text.splitlines(), 1):
+    lines = _LINE_BREAK.split(text)
+    number = 0
+    while number < len(lines):
+        raw = lines[number]
+        number += 1
         line = raw.strip()
         if not line or line[0] in "#!":
             continue
         where = f"{origin}:{number}"
+        while (len(line) - len(line.rstrip("\\"))) % 2 and number < len(lines):
+            line = line[:-1] + lines[number].lstrip()
+            number += 1
         match = _LINE.fullmatch(line)
         if match is None:
             raise ConfigError(f"{where}: expected name=value, with a property name (letters, digits, '.', '_', '-') first; "
                               "the line is not shown, as it may hold a secret")
         settings.append((match.group(1), match.group(2).strip(), where))
     return settings
+
+
+def _shown_name(name: str) -> str:
+    """A name as an error may show it: one not shaped like a property may be a pasted secret."""
+    return name if _PROPERTY_SHAPED.fullmatch(name) else "a name not shaped like a property (not shown: it may be a secret)"
 
 
 def env_property(variable: str) -> str:
@@ -125,7 +142,9 @@ def _validated(settings: list[tuple[str, str, str]]) -> KafkaConfig:
             continue
         problem = _check_one(name, value)
         if problem is not None and problem.startswith("No such configuration property"):
-            raise ConfigError(f"{where}: {name}: {problem} (its value is not shown: a misspelt name may hold a secret)")
+            shown = _shown_name(name)
+            problem = problem if shown == name else "No such configuration property"
+            raise ConfigError(f"{where}: {shown}: {problem} (its value is not shown: a misspelt name may hold a secret)")
         if problem is not None and problem.startswith("Invalid value"):
             raise ConfigError(f"{where}: {name}={_masked(name, value)}: {problem}")
         if name.endswith(".location") and value and value != "probe" and not os.access(value, os.R_OK):

@@ -19,10 +19,12 @@ import yaml
 from confluent_kafka import Producer
 
 from processor.contract import headers as H
+from processor.contract.limits import MAX_FUTURE_STAMP_MS
 from processor.contract.types import InputMessage
+from processor.core.keys import owner_partition
 from processor.engine.fold import SowFold, in_order
 from processor.engine.outputs import Streams, render, sender
-from processor.kafka.clients import ensure_topics, make_admin, topic_configs
+from processor.kafka.clients import FUTURE_STAMPS, ensure_topics, make_admin, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
 
@@ -376,18 +378,30 @@ def test_inputs_sent_together_to_a_caught_up_worker_stay_in_order(kafka_bootstra
         worker.kill()
 
 
-def test_publisher_timestamps_behind_the_workers_clock_stay_in_order(kafka_bootstrap, unique_name, tmp_path):
+@pytest.mark.parametrize("behind_ms,ahead_first", [(600_000, False), (0, True)])
+def test_publisher_timestamps_stay_in_order(kafka_bootstrap, unique_name, tmp_path, behind_ms, ahead_first):
     """Audit: with publisher timestamps (CreateTime topics) ten minutes behind the worker's clock, one
     producer sending in timestamp order, a caught-up worker applied deltas before the full publishes
     stamped before them: it took an input it saw at its end as holding nothing older than its clock
-    less the grace, which only the broker's own stamps (LogAppendTime) promise."""
+    less the grace, which only the broker's own stamps (LogAppendTime) promise.
+    Re-check: one input stamped ten minutes ahead (a topic the user created, which takes any stamp)
+    put every later publish of its partition after the deltas for those ten minutes; a worker sorts
+    it as its clock plus MAX_FUTURE_STAMP_MS, so the publishes sent after that are in order again."""
     path, spec = topology_file(tmp_path, unique_name)
-    ensure_topics(make_admin(kafka_bootstrap), {t: (n, {k: v for k, v in cfg.items() if k != "message.timestamp.type"}) for t, (n, cfg) in topic_configs(spec).items()})
+    ensure_topics(make_admin(kafka_bootstrap), {t: (n, {k: v for k, v in cfg.items() if k not in ("message.timestamp.type", FUTURE_STAMPS)})
+                                                for t, (n, cfg) in topic_configs(spec).items()})
     worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env={"KSOW_ORDER_GRACE_MS": "200"}).start()
     try:
         wait_until(lambda: "restored" in worker.log(), 60, "the worker took its partitions")
         producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
-        base = int(time.time() * 1000) - 600_000
+        if ahead_first:  # on every partition of <topic>: a record of its own, stamped ten minutes ahead
+            for p in range(P):
+                rid = next(i for i in range(10_000, 20_000) if owner_partition(spec.key_spec.sow_key({"id": i}), P) == p)
+                producer.produce(spec.topic, orjson.dumps({"id": rid, "v": -1}), spec.key_spec.sow_key({"id": rid}).encode(),
+                                 timestamp=int(time.time() * 1000) + 600_000)
+            producer.flush(30)
+            time.sleep(MAX_FUTURE_STAMP_MS / 1000 + 2)
+        base = int(time.time() * 1000) - behind_ms
         rnd = random.Random(7)
         for i in range(1500):
             rid = rnd.randrange(100)

@@ -38,3 +38,25 @@ def test_settings_from_the_caller_and_the_environment(admin, unique_name, monkey
         ensure_topics(admin, {f"{unique_name}.b": (1, {})}, replication_factor=1)
     assert f"{unique_name}.b" not in admin.list_topics(timeout=10).topics
     ensure_topics(admin, {f"{unique_name}.a": (1, {})})  # nothing to create: the settings do not matter
+
+
+def test_input_topics_with_publisher_stamps_refuse_stamps_far_in_the_future(admin, kafka_bootstrap, unique_name):
+    """One stamp an hour ahead would put every later input of its partition after an hour of the
+    other inputs (a partition sorts by its largest stamp so far): the broker refuses it."""
+    import time
+
+    from confluent_kafka import Producer
+
+    from processor.contract.limits import MAX_FUTURE_STAMP_MS
+    from processor.kafka.clients import topic_configs
+    from processor.topology import parse_topology
+
+    spec = parse_topology({"sow": [{"topic": unique_name, "key": ["/id"], "timestamps": "publisher", "partitions": 1}]}).sow[0]
+    ensure_topics(admin, topic_configs(spec))
+    reports: list = []
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    now = int(time.time() * 1000)
+    for ts in (now - 3_600_000, now + MAX_FUTURE_STAMP_MS // 2, now + 3_600_000):
+        producer.produce(spec.topic, b'{"id": 1}', timestamp=ts, on_delivery=lambda err, msg: reports.append(err and err.name()))
+        producer.flush(30)  # one batch each: the broker refuses a batch whole
+    assert reports == [None, None, "INVALID_TIMESTAMP"]

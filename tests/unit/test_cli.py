@@ -163,3 +163,28 @@ def test_files_that_cannot_be_used_are_clear_errors(run, tmp_path):
         topology.write_text(f"sow:\n  - topic: av\n    key: [/id]\n    message_type: avro\n    schema: {schema}\n")
         with pytest.raises(ConfigError, match=rf"sow\[av\]\.schema: {says}"):
             SowTopicEngine(load_topology(topology).topic("av"))
+
+
+def test_without_a_bootstrap_only_plaintext_settings_start_the_embedded_broker(run, clean_kafka_env, monkeypatch):
+    """Settings for a secured cluster mean that cluster, not the plaintext embedded broker; an
+    explicit security.protocol=PLAINTEXT does not (re-check: it was refused by its name alone)."""
+    import processor.kafka.embedded as embedded
+
+    class Started(Exception):
+        pass
+
+    def embedded_broker(*args, **kwargs):
+        raise Started()
+
+    monkeypatch.setattr(embedded, "EmbeddedKafka", embedded_broker)
+    clean_kafka_env.setenv("KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    clean_kafka_env.setenv("KAFKA_SASL_MECHANISM", "PLAIN")
+    clean_kafka_env.setenv("KAFKA_SASL_USERNAME", "u")
+    clean_kafka_env.setenv("KAFKA_SASL_PASSWORD", "p")
+    result = run("up", "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
+    assert result.exit_code == 1 and "the client settings are for a secured cluster (security.protocol=SASL_SSL)" in result.output
+    for name in ("KAFKA_SASL_MECHANISM", "KAFKA_SASL_USERNAME", "KAFKA_SASL_PASSWORD"):
+        clean_kafka_env.delenv(name)
+    clean_kafka_env.setenv("KAFKA_SECURITY_PROTOCOL", "PLAINTEXT")
+    result = run("up", "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
+    assert isinstance(result.exception, Started)

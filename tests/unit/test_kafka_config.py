@@ -251,3 +251,46 @@ def test_spark_options_refuse_what_the_java_client_cannot_do(props, message):
 def test_spark_options_default_to_the_configuration_in_force():
     use_kafka_config(KafkaConfig({"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": "u", "sasl.password": "p"}))
     assert "PlainLoginModule" in spark_kafka_options("h:1")["kafka.sasl.jaas.config"]
+
+
+def test_a_continued_line_is_one_setting_and_other_line_breaks_are_not_line_ends(tmp_path):
+    """Re-check: a password continued with a backslash, or holding a vertical tab, was read as two
+    lines, and the second one's first word was shown in an error."""
+    text = "security.protocol=SASL_PLAINTEXT\nsasl.mechanism=PLAIN\nsasl.username=u\nsasl.password=abc\\\n    S3CRETcont\n"
+    assert parse_properties(text, "f")[-1] == ("sasl.password", "abcS3CRETcont", "f:4")
+    assert parse_properties("sasl.password=ab\x0bS3CRET\u2028x\n", "f") == [("sasl.password", "ab\x0bS3CRET\u2028x", "f:1")]
+    assert parse_properties("client.id=a\\\\\nsasl.username=u\n", "f") == [("client.id", "a\\\\", "f:1"), ("sasl.username", "u", "f:2")]
+
+
+def test_an_unknown_name_not_shaped_like_a_property_is_not_shown(tmp_path):
+    """A pasted secret on a line of its own reads as a name."""
+    with pytest.raises(ConfigError, match=r":1: a name not shaped like a property \(not shown") as refused:
+        load_kafka_config(write(tmp_path, "S3CRETalone\n"), {})
+    assert "S3CRET" not in str(refused.value)
+
+
+def test_passphrases_and_oauthbearer_settings_are_masked_but_not_the_token_endpoint():
+    config = KafkaConfig({"sasl.oauthbearer.assertion.private.key.passphrase": "S1", "sasl.oauthbearer.config": "principal=a extension_k=S2",
+                          "sasl.oauthbearer.client.secret": "S3", "sasl.oauthbearer.token.endpoint.url": "https://idp.example.com/token"})
+    text = config.describe()
+    assert not any(s in text for s in ("S1", "S2", "S3")) and "https://idp.example.com/token" in text
+
+
+def test_an_identity_provider_that_cannot_be_reached_is_an_outage_not_a_refusal():
+    """Re-check: OAUTHBEARER's token endpoint down made `reach` say the cluster refused the client
+    (exit 4: a pool stopped for good) though no broker was asked."""
+    import time
+
+    from processor.kafka.clients import KafkaRefused, KafkaUnreachable, reach
+
+    config = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc",
+              "sasl.oauthbearer.client.id": "ksow", "sasl.oauthbearer.client.secret": "s",
+              "sasl.oauthbearer.token.endpoint.url": "http://127.0.0.1:1/token"}
+    use_kafka_config(load_kafka_config(None, {f"KAFKA_{k.upper().replace('.', '_')}": v for k, v in config.items()}))
+    try:
+        began = time.monotonic()
+        with pytest.raises(KafkaUnreachable) as unreachable:
+            reach("127.0.0.1:1", 3)
+        assert not isinstance(unreachable.value, KafkaRefused) and time.monotonic() - began < 10
+    finally:
+        use_kafka_config(None)

@@ -48,7 +48,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, ConfigError
-from processor.contract.limits import positive_env
+from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
@@ -649,6 +649,7 @@ class SowLoop:
         an input as caught up)."""
         task_of = self._task_of_input
         mono = time.monotonic()
+        ceiling = time.time_ns() // 1_000_000 + MAX_FUTURE_STAMP_MS  # a publisher's stamp past it sorts as it
         for msg in messages:
             err = msg.error()
             if err is not None:
@@ -677,11 +678,15 @@ class SowLoop:
                 # the position its application last saw). Applied twice, it would repeat outputs.
                 continue
             kind, ts = msg.timestamp()
-            if kind != _LOG_APPEND_TIME and rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
-                self._publisher_stamped.add(task.engine.spec.topic)
+            sort = ts
+            if kind != _LOG_APPEND_TIME:
+                if rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
+                    self._publisher_stamped.add(task.engine.spec.topic)
+                if ts > ceiling:
+                    sort = ceiling
             top = task.tops[rank]
-            if ts > top:
-                task.tops[rank] = top = ts
+            if sort > top:
+                task.tops[rank] = top = sort
             task.fetched[rank] = offset + 1
             task.filed_at = mono
             task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
