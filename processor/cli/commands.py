@@ -128,11 +128,11 @@ def _bootstrap_or_embedded(bootstrap: str | None):
     if bootstrap:
         yield bootstrap
         return
-    from processor.kafka.config import kafka_config
+    from processor.kafka.config import kafka_config, security_protocol
     from processor.kafka.embedded import EmbeddedKafka
 
-    protocol = kafka_config().properties.get("security.protocol", "plaintext")
-    if protocol.strip().lower() != "plaintext":  # meant for a secured cluster: the embedded broker is plaintext, and not that cluster
+    protocol = security_protocol(kafka_config().properties)
+    if protocol != "PLAINTEXT":  # meant for a secured cluster: the embedded broker is plaintext, and not that cluster
         _fail(f"no Kafka bootstrap (--bootstrap, KAFKA_BOOTSTRAP or bootstrap.servers in the client settings), but the "
               f"client settings are for a secured cluster (security.protocol={protocol}): give its address rather than "
               "starting the embedded broker")

@@ -161,16 +161,21 @@ def _validated(settings: list[tuple[str, str, str]]) -> KafkaConfig:
     return KafkaConfig(properties, bootstrap, origins)
 
 
+def security_protocol(properties: Mapping[str, str]) -> str:
+    """The security.protocol these properties connect with, upper case (librdkafka's default: PLAINTEXT)."""
+    return properties.get("security.protocol", "plaintext").strip().upper()
+
+
 def _check_protocol(properties: Mapping[str, str], origins: Mapping[str, str]) -> None:
     """SASL or TLS settings under a security.protocol that does not use them are a ConfigError:
     librdkafka would only warn, and connect in the clear without the credentials or the CA."""
-    protocol = properties.get("security.protocol", "plaintext").strip().lower()
-    for family, needed, protocols in (("sasl.", "sasl_", "SASL_SSL or SASL_PLAINTEXT"), ("ssl.", "ssl", "SSL or SASL_SSL")):
+    protocol = security_protocol(properties)
+    for family, used, protocols in (("sasl.", protocol.startswith("SASL_"), "SASL_SSL or SASL_PLAINTEXT"),
+                                    ("ssl.", protocol.endswith("SSL"), "SSL or SASL_SSL")):
         found = sorted(name for name in properties if name.startswith(family))
-        uses = protocol.startswith(needed) if needed == "sasl_" else protocol.endswith(needed)
-        if found and not uses:
+        if found and not used:
             where = origins.get("security.protocol")
-            said = f"security.protocol={protocol} ({where})" if where else "no security.protocol (plaintext)"
+            said = f"security.protocol={protocol.lower()} ({where})" if where else "no security.protocol (plaintext)"
             raise ConfigError(f"{', '.join(found)} ({', '.join(origins[n] for n in found)}) would be ignored with {said}: "
                               f"set security.protocol to {protocols}")
 
@@ -248,7 +253,7 @@ def spark_kafka_options(bootstrap: str, config: KafkaConfig | None = None) -> di
     config = kafka_config() if config is None else config
     props = config.properties
     options = {"kafka.bootstrap.servers": bootstrap}
-    protocol = props.get("security.protocol", "plaintext").upper()
+    protocol = security_protocol(props)
     options["kafka.security.protocol"] = protocol
     if "client.id" in props:
         options["kafka.client.id"] = props["client.id"]
