@@ -119,7 +119,7 @@ def test_nothing_passes_what_a_caught_up_input_may_still_deliver(streams, data):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(stamps, min_size=1, max_size=5), st.integers(1, 40), st.data())
 def test_a_limited_merge_takes_the_first_entries_and_leaves_the_rest_in_order(streams, limit, data):
-    """The runner merges a chunk at a time (at most `limit` entries): slice after slice, the same
+    """The runner merges at most a cycle's worth (`limit` entries): merge after merge, the same
     order as one whole merge, and never past what an input that is behind, or the bound of one
     that is caught up, may still deliver."""
     behind = [data.draw(st.booleans()) for _ in streams]
@@ -141,3 +141,25 @@ def test_a_limited_merge_takes_from_one_input_far_ahead_of_the_others_in_time():
     part = drain_in_order(queues, [False] * 6, limit=40)
     assert part == [(0, 0, offset, offset) for offset in range(40)]
     assert len(queues[0]) == 60 and all(len(q) == 50 for q in queues[1:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(stamps, min_size=1, max_size=5), st.integers(1, 40), st.integers(0, 4))
+def test_a_merge_is_applied_a_chunk_at_a_time_in_its_order(streams, chunk, revoked):
+    """The runner holds what one merge took and applies it a chunk at a time; a partition revoked
+    in between leaves the others' entries in the same order."""
+    queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
+    whole = ordering.drain_in_order(queues, [False] * len(queues))
+    merged = ordering.Merged()
+    merged.fill(list(whole))
+    taken: list = []
+    while len(merged) > len(whole) // 2:
+        assert merged.head() == whole[len(taken)]
+        part = merged.take(chunk)
+        assert 0 < len(part) <= chunk
+        taken += part
+    assert taken == whole[:len(taken)]
+    merged.keep(lambda entry: entry[2] != revoked)
+    rest = merged.take(len(whole))
+    assert rest == [e for e in whole[len(taken):] if e[2] != revoked]
+    assert not merged and merged.head() is None and merged.take(chunk) == []

@@ -51,7 +51,7 @@ from processor.contract.errors import BatchAborted, ConfigError
 from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
-from processor.engine.ordering import drain_in_order
+from processor.engine.ordering import Merged, drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_admin, make_consumer, make_producer, read_until, topic_incarnation
 from processor.runners.faust import metrics
@@ -399,6 +399,7 @@ class SowLoop:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
+        self._merged: dict[str, Merged] = {}  # SOW topic -> the inputs its last merge took, not applied yet
         # Order grace: per SOW topic, (when, largest sort time filed by then) for each consume, and the
         # largest sort time filed at least the grace ago (what a caught-up input's next message follows).
         self._filings: dict[str, deque] = {}
@@ -585,6 +586,9 @@ class SowLoop:
                 task.engine.detach(task.p)
                 if task.store is not None:
                     self._parked[task.name] = task.store
+        owned = set(self.tasks)
+        for topic, merged in self._merged.items():  # merged, not applied: their next owner applies them
+            merged.keep(lambda entry: (topic, entry[2]) in owned)
         log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
 
     # the cycle ------------------------------------------------------------------------------
@@ -650,6 +654,7 @@ class SowLoop:
         task_of = self._task_of_input
         mono = time.monotonic()
         ceiling = time.time_ns() // 1_000_000 + MAX_FUTURE_STAMP_MS  # a publisher's stamp past it sorts as it
+        run_topic, run_p, skip = None, -1, True
         for msg in messages:
             err = msg.error()
             if err is not None:
@@ -666,31 +671,42 @@ class SowLoop:
                                       " (KSOW_SESSION_TIMEOUT_MS must be within the broker's group.min/max.session.timeout.ms)")
                 else:
                     log.warning("consumer: %s", err)
+                run_p = -1  # an end event between two messages of a partition: the second starts a run
                 continue
             topic, p = msg.topic(), msg.partition()
-            found = task_of.get((topic, p))
-            if found is None:
-                continue  # a partition revoked meanwhile
-            task, rank = found
+            if p != run_p or topic != run_topic:  # consume() returns each partition's messages in runs
+                run_topic, run_p = topic, p
+                found = task_of.get((topic, p))
+                if found is None:
+                    skip = True  # a partition revoked meanwhile
+                    continue
+                skip = False
+                task, rank = found
+                queue, tops, fetched = task.queues[rank], task.tops, task.fetched
+                filed = False
+            elif skip:
+                continue
             offset = msg.offset()
-            if offset < task.fetched[rank]:
+            if offset < fetched[rank]:
                 # Filed already: a fetch served again (librdkafka resumes a paused partition from
                 # the position its application last saw). Applied twice, it would repeat outputs.
                 continue
             kind, ts = msg.timestamp()
+            if not filed:  # the run's first message not filed before
+                filed = True
+                task.filed_at = mono
+                task.at_end[rank] = False
+                if kind != _LOG_APPEND_TIME and rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
+                    self._publisher_stamped.add(task.engine.spec.topic)
             sort = ts
             if kind != _LOG_APPEND_TIME:
-                if rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
-                    self._publisher_stamped.add(task.engine.spec.topic)
                 if ts > ceiling:
                     sort = ceiling
-            top = task.tops[rank]
+            top = tops[rank]
             if sort > top:
-                task.tops[rank] = top = sort
-            task.fetched[rank] = offset + 1
-            task.filed_at = mono
-            task.queues[rank].append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
-            task.at_end[rank] = False
+                tops[rank] = top = sort
+            fetched[rank] = offset + 1
+            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
         if self.settings.order_grace_ms:
             tops: dict[str, int] = {}
             for task in self.tasks.values():
@@ -706,58 +722,67 @@ class SowLoop:
         tasks = [t for t in self.tasks.values() if t.engine is engine]
         if not tasks or not all(t.restored for t in tasks):
             return 0
-        queues = [q for t in tasks for q in t.queues]
-        if not any(queues):
-            self._waiting_since.pop(engine.spec.topic, None)
-            return 0
-        # A paused input is not fetched: it may be behind whatever its end-of-partition said.
-        paused = self._paused
-        behind = [not e or tp in paused for t in tasks for e, tp in zip(t.at_end, t.inputs)]
         topic = engine.spec.topic
-        since = self._waiting_since.get(topic)
-        force = since is not None and (time.monotonic() - since) * 1000 >= self.settings.max_idle_ms
-        if force:  # waited long enough for an input that is behind: apply what is here
-            metrics.ENFORCED.inc()
-        caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
+        merged = self._merged.get(topic)
+        if merged is None:
+            merged = self._merged[topic] = Merged()
+        queues = [q for t in tasks for q in t.queues]
+        if not merged and not any(queues):
+            self._waiting_since.pop(topic, None)
+            return 0
         limit, step = self.batch_max, self.settings.chunk
-        applied, blocked = 0, False
+        applied, blocked, drained = 0, False, False
         while applied < limit:
             # The expiry clock is looked at before every chunk: the first one comes after a commit,
             # a store commit and a consume, long enough for due records.
             self._sweep_if_due(out)
             if applied and self._cycle_full():
                 break
-            # Merged a chunk at a time, as it is applied: a cycle cut short leaves the rest queued
-            # as it was, and a merge costs in proportion to what it takes, not to the backlog.
-            want = min(step, limit - applied)
-            taken = drain_in_order(queues, behind, force, caught_up, want)
-            if taken:
+            if not merged:
+                if drained:  # the last merge took all that may go now
+                    blocked = True
+                    break
+                want = limit - applied
+                merged.fill(self._merge(topic, tasks, queues, want))
+                drained = len(merged) < want
+                if not merged:
+                    blocked = True
+                    break
                 # Progress resets the wait: it bounds how long the merge is stuck, not how long some
                 # input has been empty (during a long backlog the bounding input is emptied by every drain).
                 self._waiting_since.pop(topic, None)
-                began = time.perf_counter()
-                chunk = [entry[4] for entry in taken]
-                self._applying = (engine, chunk, offsets)
-                engine.handle(chunk, time.time_ns() // 1_000_000, out)
-                for m in chunk:
-                    offsets[(m.topic, m.partition)] = m.offset + 1
-                self._applying = None
-                _APPLY_SECONDS.inc(time.perf_counter() - began)
-                applied += len(chunk)
-            if len(taken) < want:  # nothing more may go now
-                blocked = True
-                break
+            began = time.perf_counter()
+            chunk = [entry[4] for entry in merged.take(min(step, limit - applied))]
+            self._applying = (engine, chunk, offsets)
+            engine.handle(chunk, time.time_ns() // 1_000_000, out)
+            for m in chunk:
+                offsets[(m.topic, m.partition)] = m.offset + 1
+            self._applying = None
+            _APPLY_SECONDS.inc(time.perf_counter() - began)
+            applied += len(chunk)
         if not blocked:  # the cycle is full, or took its limit
-            if any(queues):
+            if merged or any(queues):
                 self._more = True
         else:
             if not applied:  # an input that is behind may still hold older entries: the wait starts now
                 self._waiting_since.setdefault(topic, time.monotonic())
-            if caught_up is not None and any(queues):
+            if self.settings.order_grace_ms and any(queues):
                 self._hold(topic, queues)
         if _KILLS and applied:
             _kill("apply")
         return applied
+
+    def _merge(self, topic: str, tasks: list[Task], queues: list[deque], limit: int) -> list:
+        """Up to `limit` of the topic's queued inputs that may be applied now, in order."""
+        # A paused input is not fetched: it may be behind whatever its end-of-partition said.
+        paused = self._paused
+        behind = [not e or tp in paused for t in tasks for e, tp in zip(t.at_end, t.inputs)]
+        since = self._waiting_since.get(topic)
+        force = since is not None and (time.monotonic() - since) * 1000 >= self.settings.max_idle_ms
+        if force:  # waited long enough for an input that is behind: apply what is here
+            metrics.ENFORCED.inc()
+        caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
+        return drain_in_order(queues, behind, force, caught_up, limit)
 
     def _cycle_full(self) -> bool:
         """Whether the cycle has run for `timed_cycle_ms` and expired records meanwhile: no sweep runs
@@ -892,6 +917,9 @@ class SowLoop:
         fetched and waiting behind other topics' backlog in the consumer. An input that stays
         behind with nothing filed for `max_idle_ms` (as the order merge) no longer holds expiry back."""
         clock = now
+        merged = self._merged.get(task.engine.spec.topic)
+        if merged:  # merged already, not applied yet (whichever partition the first is, it is no later than this one's)
+            clock = min(clock, merged.head()[0])
         paused = self._paused
         idle_ms = self.settings.max_idle_ms
         for rank, q in enumerate(task.queues):
@@ -1104,6 +1132,7 @@ class SowLoop:
         self._applying = None
         self._open = None
         self._waiting_since.clear()  # the inputs are read again: no merge is waiting on one yet
+        self._merged.clear()
         if self.eos and (self._in_txn or self._replace_producer):
             self._in_txn = False
             try:
