@@ -33,7 +33,7 @@ queued and go, in order, with the next merge.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import islice, repeat, takewhile
 from typing import Callable, Iterable, Sequence
@@ -104,11 +104,12 @@ class Merged:
     slice each, where merging a chunk at a time cost ~3 us an input: producers stamp their messages
     in bursts of equal timestamps, and a chunk's merge then sorted every input's share of it)."""
 
-    __slots__ = ("_entries", "_at")
+    __slots__ = ("_entries", "_at", "_of")
 
     def __init__(self) -> None:
         self._entries: list = []
         self._at = 0
+        self._of: dict[int, list[int]] | None = None  # partition -> indexes of its entries (made when asked)
 
     def __len__(self) -> int:
         return len(self._entries) - self._at
@@ -116,7 +117,7 @@ class Merged:
     def fill(self, entries: list) -> None:
         """Hold a merge's entries (the last merge's are all taken)."""
         assert not self
-        self._entries, self._at = entries, 0
+        self._entries, self._at, self._of = entries, 0, None
 
     def take(self, n: int) -> list:
         """The next n entries (fewer when fewer are left)."""
@@ -124,16 +125,25 @@ class Merged:
         part = self._entries[at:at + n]
         self._at = at = at + len(part)
         if at == len(self._entries):
-            self._entries, self._at = [], 0
+            self._entries, self._at, self._of = [], 0, None
         return part
 
-    def head(self) -> tuple | None:
-        """The next entry, if any."""
-        return self._entries[self._at] if self else None
+    def first_of(self, partition: int) -> tuple | None:
+        """The next entry of one partition (any of its inputs), if any: what it applies next."""
+        if self._of is None:
+            of: dict[int, list[int]] = {}
+            for i, entry in enumerate(self._entries):
+                of.setdefault(entry[2], []).append(i)
+            self._of = of
+        found = self._of.get(partition)
+        if not found:
+            return None
+        k = bisect_left(found, self._at)
+        return self._entries[found[k]] if k < len(found) else None
 
     def keep(self, wanted: Callable[[tuple], bool]) -> None:
         """Drop the entries not `wanted` (those of partitions revoked meanwhile)."""
-        self._entries, self._at = [e for e in self._entries[self._at:] if wanted(e)], 0
+        self._entries, self._at, self._of = [e for e in self._entries[self._at:] if wanted(e)], 0, None
 
 
 def in_partition_time_order(entries: Iterable[tuple]) -> list[tuple]:

@@ -742,7 +742,9 @@ class SowLoop:
                 if drained:  # the last merge took all that may go now
                     blocked = True
                     break
-                want = limit - applied
+                # While records may come due, a merge takes a chunk: sorting a cycle's worth would
+                # hold a sweep back, and each merge bounds the expiry clock by what it left queued.
+                want = min(step, limit - applied) if self._timed else limit - applied
                 merged.fill(self._merge(topic, tasks, queues, want))
                 drained = len(merged) < want
                 if not merged:
@@ -918,8 +920,10 @@ class SowLoop:
         behind with nothing filed for `max_idle_ms` (as the order merge) no longer holds expiry back."""
         clock = now
         merged = self._merged.get(task.engine.spec.topic)
-        if merged:  # merged already, not applied yet (whichever partition the first is, it is no later than this one's)
-            clock = min(clock, merged.head()[0])
+        if merged:  # merged already, not applied yet: this partition's first comes before its queued ones
+            first = merged.first_of(task.p)
+            if first is not None and first[0] < clock:
+                clock = first[0]
         paused = self._paused
         idle_ms = self.settings.max_idle_ms
         for rank, q in enumerate(task.queues):
