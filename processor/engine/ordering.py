@@ -23,12 +23,13 @@ about to take: appended to the log after the fetch that found it caught up. The 
 key such messages come after (a grace period after which any message appended earlier has been
 fetched) and hands it in as that partition's bound: see the runner's order grace.
 
-A merge takes at most `limit` entries: the runner merges up to a cycle's worth at once and applies
-them a chunk at a time (`Merged`), so it can look at the expiry clock between two chunks and end a
-cycle there (one transaction and one store commit stay bounded, and so does the time between two
-expiry sweeps). What a cycle cut short leaves goes first in the next: every entry a merge took was
-at most its bound, which nothing fetched after it can come before. The entries past the limit stay
-queued and go, in order, with the next merge.
+A merge takes at most `limit` entries, and the runner applies what it took a chunk at a time
+(`Merged`), looking at the expiry clock between two chunks and ending a cycle there when it must
+(one transaction and one store commit stay bounded, and so does the time between two expiry
+sweeps). With nothing expiring a merge takes a cycle's worth; while records may come due, a chunk.
+What a cycle cut short leaves goes first in the next: every entry a merge took was at most its
+bound, which nothing fetched after it can come before. The entries past the limit stay queued and
+go, in order, with the next merge.
 """
 
 from __future__ import annotations
