@@ -732,6 +732,7 @@ class SowLoop:
             return 0
         limit, step = self.batch_max, self.settings.chunk
         applied, blocked, drained = 0, False, False
+        bounds = None  # what may go (nothing is filed while this runs): found for the first merge
         while applied < limit:
             # The expiry clock is looked at before every chunk: the first one comes after a commit,
             # a store commit and a consume, long enough for due records.
@@ -745,7 +746,9 @@ class SowLoop:
                 # While records may come due, a merge takes a chunk: sorting a cycle's worth would
                 # hold a sweep back, and each merge bounds the expiry clock by what it left queued.
                 want = min(step, limit - applied) if self._timed else limit - applied
-                merged.fill(self._merge(topic, tasks, queues, want))
+                if bounds is None:
+                    bounds = self._merge_bounds(topic, tasks)
+                merged.fill(drain_in_order(queues, *bounds, want))
                 drained = len(merged) < want
                 if not merged:
                     blocked = True
@@ -774,8 +777,8 @@ class SowLoop:
             _kill("apply")
         return applied
 
-    def _merge(self, topic: str, tasks: list[Task], queues: list[deque], limit: int) -> list:
-        """Up to `limit` of the topic's queued inputs that may be applied now, in order."""
+    def _merge_bounds(self, topic: str, tasks: list[Task]) -> tuple:
+        """(behind, force, caught_up) of drain_in_order for the topic's inputs: what may go now."""
         # A paused input is not fetched: it may be behind whatever its end-of-partition said.
         paused = self._paused
         behind = [not e or tp in paused for t in tasks for e, tp in zip(t.at_end, t.inputs)]
@@ -784,7 +787,7 @@ class SowLoop:
         if force:  # waited long enough for an input that is behind: apply what is here
             metrics.ENFORCED.inc()
         caught_up = self._caught_up_bounds(topic, tasks) if self.settings.order_grace_ms else None
-        return drain_in_order(queues, behind, force, caught_up, limit)
+        return behind, force, caught_up
 
     def _cycle_full(self) -> bool:
         """Whether the cycle has run for `timed_cycle_ms` and expired records meanwhile: no sweep runs
