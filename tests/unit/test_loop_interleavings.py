@@ -337,3 +337,21 @@ def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_th
         time.sleep(0.03)
     loop.cycle()
     assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1
+
+
+def test_a_forced_merge_applies_all_that_waited_while_records_may_come_due(monkeypatch, tmp_path):
+    """While records may come due, a merge takes a chunk at a time. Once an input behind has held the
+    merge for max_idle_ms, the whole cycle goes, not its first chunk alone: that chunk reset the
+    wait, and the next chunk waited the whole max_idle_ms again."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, {"expiration": "1h"}, commit_interval_ms=0, max_idle_ms=50,
+                                      guarantee=Guarantee.AT_LEAST_ONCE)
+    applied = applied_inputs(loop)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(600)]
+                           + [end_of("orders", 0, 600), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    assert applied == []  # orders.delta has said nothing yet (behind): the merge waits
+    time.sleep(0.1)
+    loop.cycle()
+    assert applied == [("orders", i) for i in range(600)]
