@@ -23,21 +23,19 @@ about to take: appended to the log after the fetch that found it caught up. The 
 key such messages come after (a grace period after which any message appended earlier has been
 fetched) and hands it in as that partition's bound: see the runner's order grace.
 
-A merge takes at most `limit` entries, and the runner applies what it took a chunk at a time
-(`Merged`), looking at the expiry clock between two chunks and ending a cycle there when it must
-(one transaction and one store commit stay bounded, and so does the time between two expiry
-sweeps). With nothing expiring a merge takes a cycle's worth; while records may come due, a chunk.
-What a cycle cut short leaves goes first in the next: every entry a merge took was at most its
-bound, which nothing fetched after it can come before. The entries past the limit stay queued and
-go, in order, with the next merge.
+A merge takes at most `limit` entries: the runner merges a cycle's worth at once and applies it a
+chunk at a time; while records may come due, it merges a chunk at a time, so it can end a cycle
+between two chunks (one transaction and one store commit stay bounded, and so does the time between
+two expiry sweeps) without merging more than it applies. The entries past the limit stay queued and
+go, in order, with the next merge, which costs in proportion to the limit, not to the backlog queued.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import deque
 from itertools import islice, repeat, takewhile
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 _NO_BOUND = (float("inf"),)
 
@@ -98,53 +96,6 @@ def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool 
     if live > 1:
         taken.sort()  # runs of already ordered entries: timsort merges them in C
     return taken
-
-
-class Merged:
-    """The entries one merge took, in merged order, not applied yet: taken a chunk at a time (a
-    slice each, where merging a chunk at a time cost ~3 us an input: producers stamp their messages
-    in bursts of equal timestamps, and a chunk's merge then sorted every input's share of it)."""
-
-    __slots__ = ("_entries", "_at", "_of")
-
-    def __init__(self) -> None:
-        self._entries: list = []
-        self._at = 0
-        self._of: dict[int, list[int]] | None = None  # partition -> indexes of its entries (made when asked)
-
-    def __len__(self) -> int:
-        return len(self._entries) - self._at
-
-    def fill(self, entries: list) -> None:
-        """Hold a merge's entries (the last merge's are all taken)."""
-        assert not self
-        self._entries, self._at, self._of = entries, 0, None
-
-    def take(self, n: int) -> list:
-        """The next n entries (fewer when fewer are left)."""
-        at = self._at
-        part = self._entries[at:at + n]
-        self._at = at = at + len(part)
-        if at == len(self._entries):
-            self._entries, self._at, self._of = [], 0, None
-        return part
-
-    def first_of(self, partition: int) -> tuple | None:
-        """The next entry of one partition (any of its inputs), if any: what it applies next."""
-        if self._of is None:
-            of: dict[int, list[int]] = {}
-            for i, entry in enumerate(self._entries):
-                of.setdefault(entry[2], []).append(i)
-            self._of = of
-        found = self._of.get(partition)
-        if not found:
-            return None
-        k = bisect_left(found, self._at)
-        return self._entries[found[k]] if k < len(found) else None
-
-    def keep(self, wanted: Callable[[tuple], bool]) -> None:
-        """Drop the entries not `wanted` (those of partitions revoked meanwhile)."""
-        self._entries, self._at, self._of = [e for e in self._entries[self._at:] if wanted(e)], 0, None
 
 
 def in_partition_time_order(entries: Iterable[tuple]) -> list[tuple]:

@@ -142,25 +142,3 @@ def test_a_limited_merge_takes_from_one_input_far_ahead_of_the_others_in_time():
     assert part == [(0, 0, offset, offset) for offset in range(40)]
     assert len(queues[0]) == 60 and all(len(q) == 50 for q in queues[1:])
 
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(stamps, min_size=1, max_size=5), st.integers(1, 40), st.integers(0, 4))
-def test_a_merge_is_applied_a_chunk_at_a_time_in_its_order(streams, chunk, revoked):
-    """The runner holds what one merge took and applies it a chunk at a time; a partition revoked
-    in between leaves the others' entries in the same order."""
-    queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
-    whole = ordering.drain_in_order(queues, [False] * len(queues))
-    merged = ordering.Merged()
-    merged.fill(list(whole))
-    taken: list = []
-    while len(merged) > len(whole) // 2:
-        for p in range(2):
-            assert merged.first_of(p) == next((e for e in whole[len(taken):] if e[2] == p), None)
-        part = merged.take(chunk)
-        assert 0 < len(part) <= chunk
-        taken += part
-    assert taken == whole[:len(taken)]
-    merged.keep(lambda entry: entry[2] != revoked)
-    rest = merged.take(len(whole))
-    assert rest == [e for e in whole[len(taken):] if e[2] != revoked]
-    assert not merged and merged.first_of(0) is None and merged.take(chunk) == []

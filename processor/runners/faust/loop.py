@@ -51,7 +51,7 @@ from processor.contract.errors import BatchAborted, ConfigError
 from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
-from processor.engine.ordering import Merged, drain_in_order
+from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import end_offsets, make_admin, make_consumer, make_producer, read_until, topic_incarnation
 from processor.runners.faust import metrics
@@ -399,7 +399,6 @@ class SowLoop:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
         self._waiting_since: dict[str, float] = {}  # SOW topic -> when its merge first had to wait for an input behind
-        self._merged: dict[str, Merged] = {}  # SOW topic -> the inputs its last merge took, not applied yet
         # Order grace: per SOW topic, (when, largest sort time filed by then) for each consume, and the
         # largest sort time filed at least the grace ago (what a caught-up input's next message follows).
         self._filings: dict[str, deque] = {}
@@ -586,9 +585,6 @@ class SowLoop:
                 task.engine.detach(task.p)
                 if task.store is not None:
                     self._parked[task.name] = task.store
-        owned = set(self.tasks)
-        for topic, merged in self._merged.items():  # merged, not applied: their next owner applies them
-            merged.keep(lambda entry: (topic, entry[2]) in owned)
         log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
 
     # the cycle ------------------------------------------------------------------------------
@@ -722,51 +718,47 @@ class SowLoop:
         tasks = [t for t in self.tasks.values() if t.engine is engine]
         if not tasks or not all(t.restored for t in tasks):
             return 0
-        topic = engine.spec.topic
-        merged = self._merged.get(topic)
-        if merged is None:
-            merged = self._merged[topic] = Merged()
         queues = [q for t in tasks for q in t.queues]
-        if not merged and not any(queues):
+        topic = engine.spec.topic
+        if not any(queues):
             self._waiting_since.pop(topic, None)
             return 0
         limit, step = self.batch_max, self.settings.chunk
-        applied, blocked, drained = 0, False, False
+        applied, blocked = 0, False
         bounds = None  # what may go (nothing is filed while this runs): found for the first merge
         while applied < limit:
-            # The expiry clock is looked at before every chunk: the first one comes after a commit,
+            # The expiry clock is looked at before every merge: the first one comes after a commit,
             # a store commit and a consume, long enough for due records.
             self._sweep_if_due(out)
             if applied and self._cycle_full():
                 break
-            if not merged:
-                if drained:  # the last merge took all that may go now
-                    blocked = True
-                    break
-                # While records may come due, a merge takes a chunk: sorting a cycle's worth would
-                # hold a sweep back, and each merge bounds the expiry clock by what it left queued.
-                want = min(step, limit - applied) if self._timed else limit - applied
-                if bounds is None:
-                    bounds = self._merge_bounds(topic, tasks)
-                merged.fill(drain_in_order(queues, *bounds, want))
-                drained = len(merged) < want
-                if not merged:
-                    blocked = True
-                    break
+            # While records may come due a merge takes a chunk, so a sweep runs between two (and a
+            # cycle can end there); else a cycle's worth at once, applied a chunk at a time (a merge
+            # of a chunk at a time cost ~3 us an input: producers stamp their messages in bursts of
+            # equal timestamps, and a chunk's merge then sorted every input's share of it).
+            want = min(step, limit - applied) if self._timed else limit - applied
+            if bounds is None:
+                bounds = self._merge_bounds(topic, tasks)
+            taken = drain_in_order(queues, *bounds, want)
+            if taken:
                 # Progress resets the wait: it bounds how long the merge is stuck, not how long some
                 # input has been empty (during a long backlog the bounding input is emptied by every drain).
                 self._waiting_since.pop(topic, None)
-            began = time.perf_counter()
-            chunk = [entry[4] for entry in merged.take(min(step, limit - applied))]
-            self._applying = (engine, chunk, offsets)
-            engine.handle(chunk, time.time_ns() // 1_000_000, out)
-            for m in chunk:
-                offsets[(m.topic, m.partition)] = m.offset + 1
-            self._applying = None
-            _APPLY_SECONDS.inc(time.perf_counter() - began)
-            applied += len(chunk)
+                for at in range(0, len(taken), step):
+                    began = time.perf_counter()
+                    chunk = [entry[4] for entry in taken[at:at + step]]
+                    self._applying = (engine, chunk, offsets)
+                    engine.handle(chunk, time.time_ns() // 1_000_000, out)
+                    for m in chunk:
+                        offsets[(m.topic, m.partition)] = m.offset + 1
+                    self._applying = None
+                    _APPLY_SECONDS.inc(time.perf_counter() - began)
+                applied += len(taken)
+            if len(taken) < want:  # nothing more may go now
+                blocked = True
+                break
         if not blocked:  # the cycle is full, or took its limit
-            if merged or any(queues):
+            if any(queues):
                 self._more = True
         else:
             if not applied:  # an input that is behind may still hold older entries: the wait starts now
@@ -922,11 +914,6 @@ class SowLoop:
         fetched and waiting behind other topics' backlog in the consumer. An input that stays
         behind with nothing filed for `max_idle_ms` (as the order merge) no longer holds expiry back."""
         clock = now
-        merged = self._merged.get(task.engine.spec.topic)
-        if merged:  # merged already, not applied yet: this partition's first comes before its queued ones
-            first = merged.first_of(task.p)
-            if first is not None and first[0] < clock:
-                clock = first[0]
         paused = self._paused
         idle_ms = self.settings.max_idle_ms
         for rank, q in enumerate(task.queues):
@@ -1139,7 +1126,6 @@ class SowLoop:
         self._applying = None
         self._open = None
         self._waiting_since.clear()  # the inputs are read again: no merge is waiting on one yet
-        self._merged.clear()
         if self.eos and (self._in_txn or self._replace_producer):
             self._in_txn = False
             try:
