@@ -249,9 +249,9 @@ def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
     print(json.dumps({"expired": expired, "sweep_s": sweep_s}), file=sys.stderr)
 
 
-def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[list[int], int]:
-    """Lateness of the messages on `topic` (read_committed) once n are there or the timeout has
-    passed, and how many distinct keys they carry."""
+def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[list[tuple[int, int]], int]:
+    """(instant, lateness) of the messages on `topic` (read_committed) once n are there or the
+    timeout has passed, and how many distinct keys they carry."""
     from confluent_kafka import TopicPartition
 
     consumer = make_consumer(bootstrap)
@@ -266,7 +266,8 @@ def lateness(bootstrap: str, topic: str, n: int, timeout: float = 600) -> tuple[
             for msg in consumer.consume(10_000, 0.5):
                 if msg.error() is None:
                     h = dict(msg.headers())
-                    out.append(int(h["sow-actual-expiry"]) - int(h["sow-expires-at"]))
+                    instant = int(h["sow-expires-at"])
+                    out.append((instant, int(h["sow-actual-expiry"]) - instant))
                     keys.add(msg.key())
         return out, len(keys)
     finally:
@@ -342,11 +343,15 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             # Until then nothing but expiries runs: what they cost the worker and the broker.
             instants.sort()
             result["cpu"] = cpu_while(worker.pid, start_at + window, instants)
-            late, distinct = lateness(bootstrap, f"EXP.{exp}", n, 3600)
-            late.sort()
+            events, distinct = lateness(bootstrap, f"EXP.{exp}", n, 3600)
+            late = sorted(d for _, d in events)
             if len(late) != n or distinct != n:
                 log(f"error: {len(late):,} expiry events for {distinct:,} distinct records, {n:,} expected")
             result.update(n=len(late), distinct=distinct, p50=late[len(late) // 2], p99=late[int(len(late) * 0.99)], max=late[-1])
+            # Due while the stream ran, or after it (only expiries then): where the tail comes from.
+            during = sorted(d for at, d in events if at <= done * 1000)
+            after = sorted(d for at, d in events if at > done * 1000)
+            result["split"] = {name: (len(part), part[int(len(part) * 0.99)], part[-1]) for name, part in (("during", during), ("after", after)) if part}
             if port:
                 result["sweeps"] = sweep_lateness(port, workers, exp)
         else:
@@ -425,6 +430,8 @@ def main() -> None:
     print(f"{with_exp['n']:,} records expired, instants spread over {args.window:.0f}s (load took {with_exp['load_s']:.0f}s), "
           f"{args.workers} worker process(es)")
     print(f"  lateness (actual expiry - instant): p50 {with_exp['p50']} ms, p99 {with_exp['p99']} ms, max {with_exp['max']} ms")
+    print("  of the records due while the stream ran | after it: " + " | ".join(
+        f"{count:,} p99 {p99} ms max {top} ms" for count, p99, top in with_exp["split"].values()))
     print(f"  concurrent stream of {args.stream:,} records: {with_exp['stream_rate']:,.0f} rec/s with expiry, {without['stream_rate']:,.0f} rec/s without")
     print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
         f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))

@@ -339,6 +339,36 @@ def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_th
     assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1
 
 
+def test_a_backlogged_sweep_goes_by_the_answer_to_the_question_the_sweep_before_asked(monkeypatch, tmp_path):
+    """A sweep takes the broker's answer before it works out the expiry clocks. Taken after them, it
+    bounded only the sweep after next: two gaps between sweeps (one of them a commit) of lateness."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
+                                              expiry_tick_ms=1, batch_max=3, guarantee=Guarantee.AT_LEAST_ONCE)
+    assign(loop, consumer)
+    admin = loop_module.make_admin("scripted:9092")
+    t0 = now_ms() - 2_000  # due already
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), t0),
+                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    admin.ends.update({("orders", 0): 1})  # nothing more anywhere
+    loop.cycle()  # a full batch: the consumer is backlogged, and the record's own input holds it back until asked about
+    assert loop._backlogged
+    out = loop._open or loop_module._Batch(loop)
+    loop._open = None
+    asked = lambda: any(("orders", 0) in question for question in admin.asked)  # noqa: E731
+    for _ in range(3):
+        if asked():
+            break
+        loop._next_sweep = 0.0
+        loop._sweep_if_due(out)
+    assert asked() and "EXP.orders" not in out.topics
+    assert not [t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]
+    loop._next_sweep = 0.0
+    loop._sweep_if_due(out)  # the answer came: nothing more anywhere, so the record expires now
+    assert out.topics.get("EXP.orders") == 1
+    loop._commit(out, out.offsets, out.applied)
+    assert len([t for t, _, _, _ in producers[-1].delivered if t == "EXP.orders"]) == 1
+
+
 def test_a_forced_merge_applies_all_that_waited_while_records_may_come_due(monkeypatch, tmp_path):
     """While records may come due, a merge takes a chunk at a time. Once an input behind has held the
     merge for max_idle_ms, the whole cycle goes, not its first chunk alone: that chunk reset the

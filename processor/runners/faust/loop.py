@@ -381,11 +381,11 @@ class SowLoop:
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
         # background): `_ends_seen` holds, per input, (its end, the wall-clock ms the question was
         # asked), `_ends_wanted` the inputs to ask about next, and `_ends_asked` the question in
-        # flight (its futures, the wall-clock ms and the monotonic instant it was asked).
+        # flight (its futures and the wall-clock ms it was asked).
         self._backlogged = False
         self._ends_seen: dict[tuple[str, int], tuple[int, int]] = {}
         self._ends_wanted: set[tuple[str, int]] = set()
-        self._ends_asked: tuple[dict, int, float] | None = None
+        self._ends_asked: tuple[dict, int] | None = None
         self._stop = threading.Event()
         self._next_sweep = 0.0
         self._awake_at = 0.0  # when the loop last looked at the clock (a longer gap: it was stopped, _check_awake)
@@ -862,6 +862,8 @@ class SowLoop:
             return
         self._next_sweep = mono + self.settings.expiry_tick_ms / 1000
         began = time.perf_counter()
+        if self._ends_asked is not None:
+            self._collect_ends()  # before the clocks are worked out: the freshest answer bounds them
         now = time.time_ns() // 1_000_000
         limit = self.settings.expire_batch
         for task in self.tasks.values():
@@ -877,7 +879,7 @@ class SowLoop:
                         _kill("sweep")
             if engine.conflates:
                 engine.release_views(task.p, now, out)
-        if self._ends_wanted or self._ends_asked is not None:
+        if self._ends_wanted:
             self._ask_ends()
         _SWEEP_SECONDS.inc(time.perf_counter() - began)
 
@@ -947,23 +949,23 @@ class SowLoop:
             return seen[1] - self.settings.order_grace_ms
         return task.tops[rank] if self._still_holds(task, rank, idle_ms) else None
 
+    def _collect_ends(self) -> None:
+        """Take the broker's answer to the question in flight on where inputs end, if it came."""
+        futures, at = self._ends_asked
+        if not all(f.done() for f in futures.values()):
+            return
+        self._ends_asked = None
+        for tp, future in futures.items():
+            try:
+                self._ends_seen[(tp.topic, tp.partition)] = (future.result().offset, at)
+            except KafkaException as exc:
+                log.debug("end of %s[%d]: %s", tp.topic, tp.partition, exc)
+
     def _ask_ends(self) -> None:
-        """Collect the broker's answer to the last question on where inputs end, and ask again for
-        the inputs wanted since (at most every `expiry_tick_ms`; never waits)."""
-        asked = self._ends_asked
-        if asked is not None:
-            futures, at, sent = asked
-            if not all(f.done() for f in futures.values()):
-                return
-            self._ends_asked = None
-            for tp, future in futures.items():
-                try:
-                    self._ends_seen[(tp.topic, tp.partition)] = (future.result().offset, at)
-                except KafkaException as exc:
-                    log.debug("end of %s[%d]: %s", tp.topic, tp.partition, exc)
-            if time.monotonic() - sent < self.settings.expiry_tick_ms / 1000:
-                return
-        if not self._ends_wanted:
+        """Ask where the inputs wanted since the last question end, unless one is still in flight
+        (never waits). A sweep collects the answer first and asks again last, so the clocks it
+        works out go by an answer asked one sweep before, at most every `expiry_tick_ms`."""
+        if self._ends_asked is not None:
             return
         if self._admin is None:
             self._admin = make_admin(self.bootstrap)
@@ -974,7 +976,7 @@ class SowLoop:
         except KafkaException as exc:
             log.debug("asking where inputs end: %s", exc)
             return
-        self._ends_asked = (futures, at, time.monotonic())
+        self._ends_asked = (futures, at)
 
     def _has_unseen(self, task: Task, rank: int, idle_ms: int) -> bool:
         """Whether an input caught up has messages past its last end-of-partition event (the end the
