@@ -322,15 +322,21 @@ def test_while_the_consumer_is_backlogged_expiry_waits_for_the_broker_to_say_an_
     assert sow[:2] == [{"id": 1, "status": "open", "qty": 1}, {"id": 1, "status": "open", "qty": 2}]
 
 
-def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_the_inputs_ended(monkeypatch, tmp_path):
+def _a_due_record(monkeypatch, tmp_path) -> tuple:
+    """A loop whose first consume hands out a record due already and a full batch (batch_max 3), and
+    an admin that will say nothing more is on the broker anywhere."""
     loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
                                               expiry_tick_ms=1, batch_max=3, guarantee=Guarantee.AT_LEAST_ONCE)
     assign(loop, consumer)
     admin = loop_module.make_admin("scripted:9092")
-    t0 = now_ms() - 2_000  # due already
-    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), t0),
+    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), now_ms() - 2_000),
                             end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
-    admin.ends.update({("orders", 0): 1})  # nothing more anywhere
+    admin.ends.update({("orders", 0): 1})
+    return loop, consumer, producers, admin
+
+
+def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_the_inputs_ended(monkeypatch, tmp_path):
+    loop, consumer, producers, admin = _a_due_record(monkeypatch, tmp_path)
     for _ in range(4):
         loop.cycle()
         consumer.script.append(_backlog())
@@ -342,14 +348,7 @@ def test_while_the_consumer_is_backlogged_records_expire_once_the_broker_says_th
 def test_a_backlogged_sweep_goes_by_the_answer_to_the_question_the_sweep_before_asked(monkeypatch, tmp_path):
     """A sweep takes the broker's answer before it works out the expiry clocks. Taken after them, it
     bounded only the sweep after next: two gaps between sweeps (one of them a commit) of lateness."""
-    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, {"expiration": "1s"}, commit_interval_ms=0,
-                                              expiry_tick_ms=1, batch_max=3, guarantee=Guarantee.AT_LEAST_ONCE)
-    assign(loop, consumer)
-    admin = loop_module.make_admin("scripted:9092")
-    t0 = now_ms() - 2_000  # due already
-    consumer.script.append([Message("orders", 0, 0, _record(1, status="open"), t0),
-                            end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
-    admin.ends.update({("orders", 0): 1})  # nothing more anywhere
+    loop, consumer, producers, admin = _a_due_record(monkeypatch, tmp_path)
     loop.cycle()  # a full batch: the consumer is backlogged, and the record's own input holds it back until asked about
     assert loop._backlogged
     out = loop._open or loop_module._Batch(loop)
