@@ -40,6 +40,13 @@ def test_a_partition_paused_before_a_rebalance_is_fetched_again_once_assigned_ba
     assert ("orders", 0) not in consumer.paused
 
 
+def _publishes_at_their_end(consumer, n: int, t0: int) -> None:
+    """The next consume hands out n publishes on orders (t0 + offset ms), its end and that of
+    orders.repartition; orders.delta says nothing, so it is behind."""
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(n)]
+                           + [end_of("orders", 0, n), end_of("orders.repartition", 0, 0)])
+
+
 def test_an_input_resumed_after_its_end_is_behind_until_fetched_again(monkeypatch, tmp_path):
     """orders reached its end, was paused while orders.delta was behind, and resumed: what was
     appended to it meanwhile is not fetched yet, so a later delta must wait for it."""
@@ -47,8 +54,7 @@ def test_an_input_resumed_after_its_end_is_behind_until_fetched_again(monkeypatc
     applied = applied_inputs(loop)
     assign(loop, consumer)
     t0 = now_ms() - 10_000
-    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(5)]
-                           + [end_of("orders", 0, 5), end_of("orders.repartition", 0, 0)])
+    _publishes_at_their_end(consumer, 5, t0)
     loop.cycle()
     assert applied == [] and ("orders", 0) in consumer.paused  # paused at its end, orders.delta behind
     consumer.script.append([Message("orders.delta", 0, 0, _record(0, x=1), t0 + 100), end_of("orders.delta", 0, 1)])
@@ -377,8 +383,7 @@ def test_a_forced_merge_applies_all_that_waited_while_records_may_come_due(monke
     applied = applied_inputs(loop)
     assign(loop, consumer)
     t0 = now_ms() - 10_000
-    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(600)]
-                           + [end_of("orders", 0, 600), end_of("orders.repartition", 0, 0)])
+    _publishes_at_their_end(consumer, 600, t0)
     loop.cycle()
     assert applied == []  # orders.delta has said nothing yet (behind): the merge waits
     time.sleep(0.1)
