@@ -34,7 +34,7 @@ from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.subscription import SubscriptionSpec, conflate_event
-from processor.kafka.clients import end_offsets, make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from processor.kafka.clients import end_offsets, is_refusal, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
 
@@ -42,6 +42,7 @@ from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology
 log = logging.getLogger("ksow.client")
 
 REGISTRY_CACHE_S = 2.0  # how long a client trusts its list of workers (a miss re-reads it at once)
+METADATA_S = 10.0  # how long the first look at a topic's metadata waits for a cluster that does not answer
 
 
 class ClientError(ValueError):
@@ -79,7 +80,7 @@ class Client:
         self.last_delete_pending = 0  # see delete(wait=...)
         self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
-        self._producer_error: KafkaError | None = None
+        self._kafka_error: KafkaError | None = None
         self._existing: set[str] = set()  # Kafka topics seen to exist (see `_require`)
 
     # helpers ------------------------------------------------------------------------------
@@ -117,14 +118,21 @@ class Client:
         otherwise a publish or a read waits 30 s and then reports an unknown partition."""
         if name in self._existing:
             return
-        try:
-            found = handle.list_topics(name, timeout=10).topics.get(name)
-        except KafkaException as exc:
-            if handle is self._producer:
-                handle.poll(0)  # serve its error callbacks: they say why (a refused login, a TLS listener, ...)
-                if self._producer_error is not None:
-                    raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {self._producer_error.str()}")) from None
-            raise
+        deadline = time.monotonic() + METADATA_S
+        while True:
+            try:
+                found = handle.list_topics(name, timeout=min(0.5, max(0.05, deadline - time.monotonic()))).topics.get(name)
+                break
+            except KafkaException as exc:
+                # A refused login or certificate only reaches the error callbacks (the metadata call
+                # just times out): served between short tries, it ends the wait at once, with its reason.
+                handle.poll(0)
+                error = self._kafka_error
+                over = time.monotonic() >= deadline
+                if error is not None and (over or is_refusal(error)):
+                    raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
+                if over:
+                    raise
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
                               "when they start (ksow up --topology ...)")
@@ -135,12 +143,13 @@ class Client:
         self._existing.add(name)
 
     def _remember_error(self, error: KafkaError) -> None:
-        """Keep the producer's last error: a flush that times out says why (refused login, ...).
+        """Keep the last error told to the producer's or a reader's error callback: a flush or a
+        metadata call that times out says why (refused login, ...).
         "All brokers are down" follows its cause (a refused login, a refused connection) and does
         not replace it (librdkafka before 2.13 reports it after an authentication failure)."""
-        if error.code() == KafkaError._ALL_BROKERS_DOWN and self._producer_error is not None:
+        if error.code() == KafkaError._ALL_BROKERS_DOWN and self._kafka_error is not None:
             return
-        self._producer_error = error
+        self._kafka_error = error
 
     def _encode(self, spec: SowTopic, record: Any) -> tuple[bytes, dict]:
         codec = self.codec(spec)
@@ -264,7 +273,7 @@ class Client:
 
     def flush(self, timeout: float = 30.0) -> None:
         if self._producer is not None and self._producer.flush(timeout) > 0:
-            cause = f" (last error: {self._producer_error.str()})" if self._producer_error is not None else ""
+            cause = f" (last error: {self._kafka_error.str()})" if self._kafka_error is not None else ""
             raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, f"messages not delivered in {timeout:g}s{cause}"))
 
     def close(self) -> None:
@@ -293,7 +302,7 @@ class Client:
         event ID, and the bookmark of everything read (the position the live stream starts at).
 
         Records past their instant are left out (see `_decode_change`), swept or not."""
-        consumer = make_consumer(self.bootstrap)
+        consumer = make_consumer(self.bootstrap, error_cb=self._remember_error)
         topic = _live_topic(spec)
         try:
             self._require(consumer, topic)

@@ -42,6 +42,13 @@ def make_admin(bootstrap: str, **overrides) -> AdminClient:
 _REFUSALS = frozenset({KafkaError._AUTHENTICATION, KafkaError._SSL, KafkaError.SASL_AUTHENTICATION_FAILED})
 
 
+def is_refusal(error: KafkaError) -> bool:
+    """Whether an error told to an error callback is the cluster refusing this client's settings.
+    An identity provider that cannot be reached (OAUTHBEARER's token endpoint) is an outage, not a
+    refusal."""
+    return error.code() in _REFUSALS and "OAUTHBEARER token" not in error.str()
+
+
 class KafkaRefused(ConfigError):
     """The cluster answered but refused this client's settings (a login, a certificate)."""
 
@@ -68,8 +75,7 @@ def reach(bootstrap: str, timeout: float) -> None:
         except KafkaException:
             pass
         admin.poll(0)  # serves the error callbacks
-        # An identity provider that cannot be reached (OAUTHBEARER's token endpoint) is an outage, not a refusal.
-        refused = next((e for e in seen if e.code() in _REFUSALS and "OAUTHBEARER token" not in e.str()), None)
+        refused = next((e for e in seen if is_refusal(e)), None)
         if refused is not None:
             raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
                                "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")

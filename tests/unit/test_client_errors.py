@@ -10,18 +10,18 @@ def test_a_flush_that_times_out_names_the_cause_not_the_brokers_being_down():
     auth = KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed")
     client._remember_error(auth)
     client._remember_error(KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down"))
-    assert client._producer_error is auth
+    assert client._kafka_error is auth
     # a later real cause still replaces the earlier one
     refused = KafkaError(KafkaError._TRANSPORT, "Connection refused")
     client._remember_error(refused)
-    assert client._producer_error is refused
+    assert client._kafka_error is refused
 
 
 def test_brokers_down_is_kept_when_nothing_else_was_reported():
     client = Client("127.0.0.1:1")
     down = KafkaError(KafkaError._ALL_BROKERS_DOWN, "1/1 brokers are down")
     client._remember_error(down)
-    assert client._producer_error is down
+    assert client._kafka_error is down
 
 
 def test_close_lets_the_producer_go_and_a_later_publish_makes_a_new_one():
