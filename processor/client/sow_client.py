@@ -133,6 +133,7 @@ class Client:
                     raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
                 if over:
                     raise
+                time.sleep(0.05)  # a call that fails at once (no broker known yet) must not spin
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
                               "when they start (ksow up --topology ...)")

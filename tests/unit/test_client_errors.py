@@ -273,3 +273,54 @@ def test_a_worker_certificate_the_client_does_not_trust_is_an_error_not_a_quiet_
         assert _http_json("https://127.0.0.1:1/sow/orders", timeout=5) is None  # a worker gone: its partitions are asked again
     finally:
         server.shutdown()
+
+
+class _Unanswered:
+    """A Kafka handle whose metadata calls time out; its error callbacks are told `errors` one per
+    poll (what librdkafka serves them from)."""
+
+    def __init__(self, client: Client, errors: list):
+        self.client, self.errors, self.tries = client, errors, 0
+
+    def list_topics(self, topic, timeout=None):
+        from confluent_kafka import KafkaException
+
+        self.tries += 1
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Local: Broker transport failure"))
+
+    def poll(self, timeout=None):
+        if self.errors:
+            self.client._remember_error(self.errors.pop(0))
+
+
+def test_a_refused_login_ends_the_wait_for_a_topics_metadata_at_once():
+    """The first look at a topic's metadata waited its whole 10 s before it read the error callbacks."""
+    import time
+
+    import pytest
+    from confluent_kafka import KafkaException
+
+    client = Client("127.0.0.1:1")
+    handle = _Unanswered(client, [KafkaError(KafkaError._TRANSPORT, "Connection refused"),
+                                  KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed")])
+    began = time.monotonic()
+    with pytest.raises(KafkaException, match="cannot read the metadata of orders: SASL authentication error: Authentication failed"):
+        client._require(handle, "orders")
+    assert handle.tries == 2 and time.monotonic() - began < 1  # a connection refused is not a refusal: tried again
+
+
+def test_a_cluster_that_does_not_answer_is_waited_for_then_named_with_its_last_error(monkeypatch):
+    import time
+
+    import pytest
+    from confluent_kafka import KafkaException
+
+    import processor.client.sow_client as sow_client
+
+    monkeypatch.setattr(sow_client, "METADATA_S", 0.3)
+    client = Client("127.0.0.1:1")
+    handle = _Unanswered(client, [KafkaError(KafkaError._TRANSPORT, "Connection refused")])
+    began = time.monotonic()
+    with pytest.raises(KafkaException, match="cannot read the metadata of orders: Connection refused"):
+        client._require(handle, "orders")
+    assert time.monotonic() - began >= 0.3
