@@ -34,7 +34,7 @@ from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.subscription import SubscriptionSpec, conflate_event
-from processor.kafka.clients import end_offsets, is_refusal, make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from processor.kafka.clients import answered_metadata, end_offsets, is_refusal, make_consumer, make_producer, produce, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
 
@@ -118,22 +118,13 @@ class Client:
         otherwise a publish or a read waits 30 s and then reports an unknown partition."""
         if name in self._existing:
             return
-        deadline = time.monotonic() + METADATA_S
-        while True:
-            try:
-                found = handle.list_topics(name, timeout=min(0.5, max(0.05, deadline - time.monotonic()))).topics.get(name)
-                break
-            except KafkaException as exc:
-                # A refused login or certificate only reaches the error callbacks (the metadata call
-                # just times out): served between short tries, it ends the wait at once, with its reason.
-                handle.poll(0)
-                error = self._kafka_error
-                over = time.monotonic() >= deadline
-                if error is not None and (over or is_refusal(error)):
-                    raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
-                if over:
-                    raise
-                time.sleep(0.05)  # a call that fails at once (no broker known yet) must not spin
+
+        def unanswered(exc: KafkaException, over: bool) -> None:
+            error = self._kafka_error  # what the handle's error callbacks were told last
+            if error is not None and (over or is_refusal(error)):
+                raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
+
+        found = answered_metadata(handle, name, METADATA_S, unanswered).topics.get(name)
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             raise ClientError(f"Kafka topic {name} does not exist: the workers of this topology create their topics "
                               "when they start (ksow up --topology ...)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -61,29 +61,43 @@ class KafkaUnreachable(ConfigError):
         self.cause = cause
 
 
+def answered_metadata(handle, topic: str | None, timeout: float, unanswered: Callable[[KafkaException, bool], None]):
+    """`handle.list_topics(topic)` once the cluster answers, tried every 0.5 s for `timeout` seconds.
+    A refused login or certificate reaches only the handle's error callbacks (the call just times
+    out), so they are served between tries, and `unanswered(error of the try, time is up)` looks at
+    what they were told: it may raise, at once for a refusal. When the time is up and it did not,
+    the last try's error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return handle.list_topics(topic, timeout=max(0.05, min(0.5, deadline - time.monotonic())))
+        except KafkaException as exc:
+            handle.poll(0)  # serves the error callbacks
+            over = time.monotonic() >= deadline
+            unanswered(exc, over)
+            if over:
+                raise
+            time.sleep(0.05)  # a call that fails at once (no broker known yet) must not spin
+
+
 def reach(bootstrap: str, timeout: float) -> None:
     """Return once the cluster answers a metadata request. Raise KafkaRefused at once when it refuses
     the login or the TLS handshake (with librdkafka's reason, which no metadata call gives), else
     KafkaUnreachable after `timeout` seconds, with the last connection error seen."""
     seen: list[KafkaError] = []
-    admin = AdminClient(_client_config(bootstrap, {}, {"error_cb": seen.append, "log_level": 0}))
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            admin.list_topics(timeout=max(0.05, min(0.5, deadline - time.monotonic())))
-            return
-        except KafkaException:
-            pass
-        admin.poll(0)  # serves the error callbacks
+
+    def unanswered(_: KafkaException, over: bool) -> None:
         refused = next((e for e in seen if is_refusal(e)), None)
         if refused is not None:
             raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
                                "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")
-        if time.monotonic() >= deadline:
+        if over:
             causes = [e.str() for e in seen if e.code() != KafkaError._ALL_BROKERS_DOWN]
             cause = causes[-1] if causes else None
             raise KafkaUnreachable(f"cannot reach Kafka at {bootstrap} within {timeout:g}s{f': {cause}' if cause else ''} (is it up, "
                                    "and are --bootstrap (KAFKA_BOOTSTRAP) and the client settings right?)", cause)
+
+    answered_metadata(AdminClient(_client_config(bootstrap, {}, {"error_cb": seen.append, "log_level": 0})), None, timeout, unanswered)
 
 
 def make_producer(bootstrap: str, **overrides) -> Producer:
