@@ -80,6 +80,15 @@ def answered_metadata(handle, topic: str | None, timeout: float, unanswered: Cal
             time.sleep(0.05)  # a call that fails at once (no broker known yet) must not spin
 
 
+def raise_if_refused(bootstrap: str, told: list[KafkaError]) -> None:
+    """Raise KafkaRefused, with librdkafka's reason, when errors told to a client's error callback
+    say the cluster refused its login or certificate."""
+    refused = next((e for e in told if is_refusal(e)), None)
+    if refused is not None:
+        raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
+                           "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")
+
+
 def reach(bootstrap: str, timeout: float) -> None:
     """Return once the cluster answers a metadata request. Raise KafkaRefused at once when it refuses
     the login or the TLS handshake (with librdkafka's reason, which no metadata call gives), else
@@ -87,10 +96,7 @@ def reach(bootstrap: str, timeout: float) -> None:
     seen: list[KafkaError] = []
 
     def unanswered(_: KafkaException, over: bool) -> None:
-        refused = next((e for e in seen if is_refusal(e)), None)
-        if refused is not None:
-            raise KafkaRefused(f"Kafka at {bootstrap} refused this client: {refused.str()} (check the client settings: "
-                               "--kafka-config / KSOW_KAFKA_CONFIG and KAFKA_* variables)")
+        raise_if_refused(bootstrap, seen)
         if over:
             causes = [e.str() for e in seen if e.code() != KafkaError._ALL_BROKERS_DOWN]
             cause = causes[-1] if causes else None

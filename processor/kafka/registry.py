@@ -15,13 +15,14 @@ from urllib.parse import urlsplit
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, read_until, topic_refused
+from processor.kafka.clients import answered_metadata, end_offsets, ensure_topics, make_consumer, raise_if_refused, read_until, topic_refused
 
 log = logging.getLogger("ksow.registry")
 
 # One per cluster; KSOW_REGISTRY_TOPIC gives a deployment (or a test run) a registry of its own.
 REGISTRY_TOPIC = os.environ.get("KSOW_REGISTRY_TOPIC") or "__ksow_workers"
 REFRESH_S = 3.0
+REGISTRY_WAIT_S = 3.0  # for the cluster to answer a reader of the registry
 STALE_MS = 12_000
 
 
@@ -45,10 +46,14 @@ def live_workers(bootstrap: str, group: str) -> list[dict]:
 
     Anything can write to `__ksow_workers`: an entry that is not what a worker writes (see
     `entry_problem`) is skipped and logged once, so a junk entry cannot break queries."""
-    consumer = make_consumer(bootstrap)
+    told: list[KafkaError] = []
+    consumer = make_consumer(bootstrap, error_cb=told.append)
     try:
         try:
-            ((_, high),) = end_offsets(consumer, REGISTRY_TOPIC, [0], timeout=3).values()
+            # A refused login reaches only the error callback (reading the offsets would just time
+            # out): the metadata wait stops at once on it.
+            answered_metadata(consumer, REGISTRY_TOPIC, REGISTRY_WAIT_S, lambda exc, over: raise_if_refused(bootstrap, told))
+            ((_, high),) = end_offsets(consumer, REGISTRY_TOPIC, [0], timeout=REGISTRY_WAIT_S).values()
         except KafkaException as exc:
             if exc.args[0].code() not in _NO_REGISTRY:
                 raise  # the cluster cannot be read at all: the caller's read of the SOW would fail too
