@@ -161,7 +161,7 @@ def loop_snapshot(bootstrap: str, spec: SowTopic, as_of: int) -> tuple[dict, dic
     consumer.close()
     stages["read"] = time.perf_counter() - began
     t = time.perf_counter()
-    ordered = in_order(spec, (m for m in messages if m.timestamp <= as_of))
+    ordered = in_order(spec, messages, as_of)
     stages["sort"] = time.perf_counter() - t
     t = time.perf_counter()
     fold = SowFold(spec)

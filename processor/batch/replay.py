@@ -19,7 +19,7 @@ from processor.core.sow import Transition
 from processor.engine.topic import InputMessage
 from processor.topology import SowTopic
 from processor.engine.fold import SowFold
-from processor.batch.snapshot import ORDER, input_offsets, read_inputs, snapshot
+from processor.batch.snapshot import ORDER, history_columns, input_offsets, read_inputs, snapshot
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -53,15 +53,15 @@ def replay(spark: SparkSession, bootstrap: str, spec: SowTopic, start: int, end:
 
     fold = SowFold(spec, transitions=True, records=records)
     raw = read_inputs(spark, bootstrap, spec, ends, starting_timestamp=start + 1)
-    window = raw.select(F.unix_millis("timestamp").alias("ts"), (F.col("topic") == spec.delta_topic).cast("int").alias("rank"), "partition", "offset", "topic", "value", "headers")
-    window = window.where(F.col("ts") > start)
+    window = raw.select(*history_columns(spec), "sort", "value", "headers")
+    window = window.where(F.col("sort") > start)  # the snapshot at `start` has the rest
     if end is not None:
-        window = window.where(F.col("ts") <= end)
+        window = window.where(F.col("sort") <= end)
     for row in window.orderBy(*ORDER).toLocalIterator():
         headers = None if row["headers"] is None else [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]]
         value = None if row["value"] is None else bytes(row["value"])
         msg = InputMessage(row["topic"], row["partition"], row["offset"], None, value, headers, row["ts"])
-        for t in fold.apply(msg):
+        for t in fold.apply(msg, row["sort"]):
             yield event(t)
     for t in fold.expire_until(end if end is not None else time.time_ns() // 1_000_000):
         yield event(t)

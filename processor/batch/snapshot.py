@@ -23,6 +23,7 @@ MERGE_LEVELS also merge in Python (per key, with the core's merge).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -33,10 +34,12 @@ from processor.core.durations import _DURATION, _UNITS_MS, MAX_DURATION_MS
 from processor.core.keys import USER_KEY_JAVA_REGEX, checksum_key
 from processor.topology import MessageType, Persistence, SowTopic
 
+log = logging.getLogger("ksow.snapshot")
+
 if TYPE_CHECKING:  # pyspark is imported lazily: the rest of ksow runs without a JVM
     from pyspark.sql import Column, DataFrame, SparkSession
 
-ORDER = ("ts", "rank", "partition", "offset")  # the history order (see processor.engine.fold)
+ORDER = ("sort", "rank", "partition", "offset")  # the history order (see processor.engine.fold)
 
 
 def history_columns(spec: SowTopic) -> list:
@@ -124,6 +127,7 @@ def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict 
     from processor.kafka.config import spark_kafka_options
 
     ends = ends or input_offsets(bootstrap, spec)
+    sort = sort_time(bootstrap, spec)
     reader = (
         spark.read.format("kafka")
         .options(**spark_kafka_options(bootstrap))
@@ -141,7 +145,41 @@ def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict 
         .option("kafka.max.poll.records", "20000")
         .option("kafka.receive.buffer.bytes", str(4 << 20))
         .load()
+        .withColumn("sort", sort)
     )
+
+
+def sort_time(bootstrap: str, spec: SowTopic) -> Column:
+    """The time an input row sorts by, as a worker sorts it: the largest timestamp so far in its
+    partition (processor.engine.ordering), so that a timestamp that goes backwards keeps its
+    offset's place. A window over each partition in offset order when the publishers stamp the
+    inputs (CreateTime); the timestamp itself when the broker stamps both input topics
+    (LogAppendTime, `timestamps: arrival`), whose timestamps do not go backwards, and the job is
+    spared the window's shuffle. From a first offset found by timestamp (a replay) the running
+    maximum is the partition's too: every offset before that one has an earlier timestamp."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    ts = F.unix_millis("timestamp")
+    if broker_stamped(bootstrap, spec):
+        return ts
+    return F.max(ts).over(Window.partitionBy("topic", "partition").orderBy("offset").rowsBetween(Window.unboundedPreceding, Window.currentRow))
+
+
+def broker_stamped(bootstrap: str, spec: SowTopic) -> bool:
+    """Whether both input topics take the broker's clock (message.timestamp.type LogAppendTime).
+    False when their configuration cannot be read: the window is always right, only slower."""
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    from processor.kafka.clients import make_admin
+
+    admin = make_admin(bootstrap)
+    try:
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in (spec.topic, spec.delta_topic)], request_timeout=30)
+        return all(f.result(timeout=30)["message.timestamp.type"].value == "LogAppendTime" for f in futures.values())
+    except Exception:  # noqa: BLE001 - not allowed to read the configs, or an old broker: take the window
+        log.info("cannot read the timestamp type of %s's input topics: ordering by partition time", spec.topic, exc_info=True)
+        return False
 
 
 # classifying -------------------------------------------------------------------------------------
@@ -297,9 +335,9 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
         raise SnapshotError(f"{spec.topic}: Spark snapshots read JSON topics (message_type {spec.message_type.value} is not supported)")
     # Staged projections: each costly expression (the JSON parse above all) is computed once into
     # a column that later stages reference (Spark does not inline non-cheap aliases used twice).
-    df = raw.select(*history_columns(spec), "value", "headers")
+    df = raw.select(*history_columns(spec), "sort", "value", "headers")
     if as_of is not None:
-        df = df.where(F.col("ts") <= as_of)
+        df = df.where(F.col("sort") <= as_of)
 
     known = ", ".join(f"'{h}'" for h in sorted(H.KNOWN_INPUT))
     df = df.select(
@@ -349,11 +387,12 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
         .when(has_value, F.when(record_ok, "delete"))
         .when(header_key_set, F.when(key_ok, "keys"))
     )
-    df = df.select(*ORDER, "topic", "value", "text", "headers", "grp0", "filter_raw", "keys_raw", "key_raw", kind.alias("kind"), life.alias("life"))
+    df = df.select(*ORDER, "ts", "topic", "value", "text", "headers", "grp0", "filter_raw", "keys_raw", "key_raw", kind.alias("kind"), life.alias("life"))
     df = df.where(col("kind").isNotNull() & _accepted_udf(spec)("topic", "value", F.when(F.size("headers") > 0, col("headers"))))
     sow_keys = F.when(col("keys_raw").isNotNull(), keys_list).otherwise(F.array(header_key))
     return df.select(
         *ORDER,
+        "ts",
         "topic",
         "value",
         "text",
@@ -367,16 +406,16 @@ def classify(raw: DataFrame, spec: SowTopic, as_of: int | None = None, specials_
 
 
 # the per-group aggregation --------------------------------------------------------------------------
-_PACK = (10**20, 10**19, 10**15, 1)  # ts | rank | partition < 10^4 | offset < 10^15, in 38 digits
+_PACK = (10**20, 10**19, 10**15, 1)  # sort time | rank | partition < 10^4 | offset < 10^15, in 38 digits
 
 
-def pack_order(ts: int, rank: int, partition: int, offset: int) -> int:
+def pack_order(sort: int, rank: int, partition: int, offset: int) -> int:
     """The history order as one number (see `packed_order`)."""
-    return sum(v * w for v, w in zip((ts, rank, partition, offset), _PACK))
+    return sum(v * w for v, w in zip((sort, rank, partition, offset), _PACK))
 
 
 def packed_order() -> Column:
-    """The history order (ts, rank, partition, offset) as one DECIMAL(38,0): a fixed-size
+    """The history order (sort time, rank, partition, offset) as one DECIMAL(38,0): a fixed-size
     aggregation key, which made the per-group aggregation 15% cheaper than a struct."""
     from pyspark.sql import functions as F
 
@@ -397,8 +436,8 @@ def aggregate(events: DataFrame, with_first: bool = False) -> DataFrame:
     is_base = kind.isin("publish", "delete")
     columns = [
         F.max(F.when(is_base, order)).alias("base_o"),
-        F.max_by(F.struct("ts", (kind == "delete").alias("deleted"), "life", F.col("text").alias("value")), F.when(is_base, order)).alias("base"),
-        F.collect_list(F.when(kind == "delta", F.struct(order.alias("o"), "ts", "life", F.col("text").alias("value")))).alias("deltas"),
+        F.max_by(F.struct("ts", "sort", (kind == "delete").alias("deleted"), "life", F.col("text").alias("value")), F.when(is_base, order)).alias("base"),
+        F.collect_list(F.when(kind == "delta", F.struct(order.alias("o"), "ts", "sort", "life", F.col("text").alias("value")))).alias("deltas"),
     ]
     if with_first:
         columns.append(F.min(order).alias("first"))
@@ -411,15 +450,17 @@ def chains(groups: DataFrame, spec: SowTopic) -> DataFrame:
     from pyspark.sql import functions as F
 
     after = F.array_sort(F.filter("deltas", lambda d: F.col("base_o").isNull() | (d["o"] > F.col("base_o"))))
-    after = F.transform(after, lambda d: F.struct(d["ts"].alias("ts"), d["life"].alias("life"), d["value"].alias("value")))
-    base = F.struct(F.col("base.ts").alias("ts"), F.col("base.life").alias("life"), F.col("base.value").alias("value"))
+    after = F.transform(after, lambda d: F.struct(d["ts"].alias("ts"), d["sort"].alias("sort"), d["life"].alias("life"), d["value"].alias("value")))
+    base = F.struct(F.col("base.ts").alias("ts"), F.col("base.sort").alias("sort"), F.col("base.life").alias("life"), F.col("base.value").alias("value"))
     writes = F.when(F.col("base_o").isNotNull() & ~F.col("base.deleted"), F.concat(F.array(base), after)).otherwise(after)
     df = groups.select("grp", writes.alias("w"))
     if spec.expiry.active:
-        # Write j starts anew when write j-1's record expired at or before j's timestamp.
+        # Write j starts anew when write j-1's record expired at or before j's sort time: a worker
+        # expires records up to the sort time of the next input before it applies it (lifetimes
+        # count from each write's own timestamp).
         expired_before = F.expr(
             "filter(sequence(1, greatest(size(w) - 1, 1)), j -> j < size(w) AND "
-            "w[j - 1].life IS NOT NULL AND w[j - 1].ts + w[j - 1].life <= w[j].ts)"
+            "w[j - 1].life IS NOT NULL AND w[j - 1].ts + w[j - 1].life <= w[j].sort)"
         )
         start = F.coalesce(F.array_max(expired_before), F.lit(0))
         df = df.select("grp", F.slice("w", start + 1, F.size("w")).alias("w"))
@@ -551,24 +592,27 @@ def _fold_groups(spec: SowTopic, events: DataFrame, specials: list, as_of: int) 
     import pandas as pd
 
     from processor.engine.topic import InputMessage
-    from processor.engine.fold import SowFold, topic_rank
+    from processor.engine.fold import SowFold
 
     def message(row) -> InputMessage:
         headers = [(h["key"], None if h["value"] is None else bytes(h["value"])) for h in row["headers"]] if row["headers"] is not None else None
         value = None if row["value"] is None else bytes(row["value"])
         return InputMessage(row["topic"], int(row["partition"]), int(row["offset"]), None, value, headers, int(row["ts"]))
 
-    shared = [message(s) for s in specials]
+    def placed(row) -> tuple:  # (the history order, the message): its sort time is the whole partition's
+        return (*(int(row[c]) for c in ORDER), message(row))
+
+    shared = [placed(s) for s in specials]
 
     def fold(frame: pd.DataFrame) -> pd.DataFrame:
         fold = SowFold(spec)
-        own = [message(r) for r in frame.to_dict("records")]
-        for msg in sorted(own + shared, key=lambda m: (m.timestamp, topic_rank(spec, m.topic), m.partition, m.offset)):
-            fold.apply(msg)
+        own = [placed(r) for r in frame.to_dict("records")]
+        for *order, msg in sorted(own + shared, key=lambda e: e[:4]):
+            fold.apply(msg, order[0])  # a group's inputs alone: what was due by its sort time goes first
         rows = [(k, fold.codec.encode(r.data).decode(), r.expires_at, r.updated_at) for k, r in fold.as_of(as_of).items()]
         return pd.DataFrame(rows, columns=["sow_key", "record", "expires_at", "updated_at"])
 
-    return events.select(*ORDER, "topic", "value", "headers", "grp").groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
+    return events.select(*ORDER, "ts", "topic", "value", "headers", "grp").groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
 
 
 def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, ends: dict) -> list:
@@ -578,7 +622,7 @@ def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: in
     from pyspark.sql import functions as F
 
     return classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
-        *ORDER, "kind", "filter", "sow_keys", "topic", "value", "headers"
+        *ORDER, "ts", "kind", "filter", "sow_keys", "topic", "value", "headers"
     ).where(F.col("kind").isin("filter", "keys")).collect()  # a filter that does not parse was rejected by `accepted`
 
 
@@ -624,7 +668,7 @@ def snapshot(
             *(["first"] if filters else []),
             "deltas",
             F.when(newer, F.col("o")).otherwise(F.col("base_o")).alias("base_o"),
-            F.when(newer, F.struct(F.lit(None).cast("long").alias("ts"), F.lit(True).alias("deleted"), F.lit(None).cast("long").alias("life"), F.lit(None).cast("string").alias("value"))).otherwise(F.col("base")).alias("base"),
+            F.when(newer, F.struct(F.lit(None).cast("long").alias("ts"), F.lit(None).cast("long").alias("sort"), F.lit(True).alias("deleted"), F.lit(None).cast("long").alias("life"), F.lit(None).cast("string").alias("value"))).otherwise(F.col("base")).alias("base"),
         )
 
     folded = None

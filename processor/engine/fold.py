@@ -5,18 +5,26 @@ is tested and benchmarked against this, and `ksow replay` uses it for the change
 What "the history" means:
 - Inputs are `<topic>` (default command publish) and `<topic>.delta` (delta_publish), never
   `<topic>.repartition` (it only holds copies of them).
-- Order: by (Kafka timestamp, topic rank (`<topic>` before `<topic>.delta`), partition, offset), the
-  order in which a worker applies the inputs of one SOW partition.
+- Order: by (sort time, topic rank (`<topic>` before `<topic>.delta`), partition, offset), the
+  order in which a worker applies the inputs of one SOW partition. An input's sort time is the
+  largest Kafka timestamp so far in its input partition (processor.engine.ordering), so a timestamp
+  that goes backwards (publishers' clocks) keeps its offset's place; where timestamps do not go
+  backwards it is the timestamp. (A worker also sorts a publisher's stamp more than 10 s ahead of its
+  own clock as that clock plus 10 s, which no history holds: the topics ksow creates refuse such
+  stamps.)
 - "Now" for a message is its Kafka timestamp: lifetimes count from it, and every record whose instant
   is at or before it expires, at its instant, before the message applies.
 - A message a worker rejects changes nothing (it is counted in `rejected`).
-- The SOW "as of" T holds what the messages with timestamp <= T left, minus records whose instant
-  is <= T (when the topic's expiration is not disabled).
+- The SOW "as of" T holds what the messages with sort time <= T left (a state a worker went
+  through: its inputs up to a place in its order), minus records whose instant is <= T (when the
+  topic's expiration is not disabled).
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
+from operator import itemgetter
 from typing import Iterable, Iterator
 
 from processor.contract.errors import InputError
@@ -27,6 +35,7 @@ from processor.core.expiry import is_due
 from processor.core.filters import FilterError
 from processor.core.keys import owner_partition
 from processor.core.sow import Transition
+from processor.engine.ordering import in_partition_time_order
 from processor.engine.partition import SowPartition, scan_matching
 from processor.topology import SowTopic
 
@@ -90,9 +99,19 @@ def topic_rank(spec: SowTopic, topic: str) -> int:
     return 1 if topic == spec.delta_topic else 0
 
 
-def in_order(spec: SowTopic, messages: Iterable[InputMessage]) -> list[InputMessage]:
-    """The messages in history order: (timestamp, topic rank, partition, offset)."""
-    return sorted(messages, key=lambda m: (m.timestamp, topic_rank(spec, m.topic), m.partition, m.offset))
+def history(spec: SowTopic, messages: Iterable[InputMessage], until: int | None = None) -> list[tuple[int, InputMessage]]:
+    """(sort time, message) in history order: (sort time, topic rank, partition, offset); with
+    `until`, only those whose sort time is <= it. Give every message of a partition up to `until` (or
+    all): the sort time of one depends on those before it."""
+    ordered = in_partition_time_order((m.timestamp, topic_rank(spec, m.topic), m.partition, m.offset, m) for m in messages)
+    if until is not None:
+        ordered = ordered[:bisect_right(ordered, until, key=itemgetter(0))]
+    return [(entry[0], entry[4]) for entry in ordered]
+
+
+def in_order(spec: SowTopic, messages: Iterable[InputMessage], until: int | None = None) -> list[InputMessage]:
+    """The messages of `history`, without their sort times (a whole history's fold needs none)."""
+    return [msg for _, msg in history(spec, messages, until)]
 
 
 class SowFold:
@@ -141,10 +160,12 @@ class SowFold:
             self.rejected += 1
             return None
 
-    def apply(self, msg: InputMessage) -> list[Transition]:
-        """Apply one message at its Kafka timestamp (expiring what was due first)."""
+    def apply(self, msg: InputMessage, sort: int | None = None) -> list[Transition]:
+        """Apply one message at its Kafka timestamp, once what was due by its sort time has expired
+        (as a worker's sweeps do before it; in a whole history the inputs before it took the fold
+        there already, so `sort` matters only to a fold of part of one)."""
         now = msg.timestamp
-        out = self.expire_until(now)
+        out = self.expire_until(now if sort is None or sort < now else sort)
         cmd = self.parse(msg)
         if cmd is None:
             return out
@@ -178,6 +199,6 @@ class SowFold:
 def fold_history(spec: SowTopic, messages: Iterable[InputMessage], as_of: int, codec: Codec | None = None) -> dict[str, SowRecord]:
     """The SOW of `spec` as it stood at `as_of` (epoch ms), from its input messages in any order."""
     fold = SowFold(spec, codec)
-    for msg in in_order(spec, (m for m in messages if m.timestamp <= as_of and m.topic in fold.defaults)):
-        fold.apply(msg)
+    for sort, msg in history(spec, (m for m in messages if m.topic in fold.defaults), as_of):
+        fold.apply(msg, sort)
     return fold.as_of(as_of)

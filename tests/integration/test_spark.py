@@ -386,6 +386,45 @@ def test_fold_history_is_order_independent(scripted):
     assert all(isinstance(r, SowRecord) for r in forward.values())
 
 
+def test_snapshot_and_replay_keep_a_partitions_offset_order_when_its_timestamps_go_back(spark, kafka_bootstrap, admin):
+    """Audit: the batch paths sorted inputs by raw timestamp, a worker by its partition's time (the
+    largest timestamp so far): a publish sent after another but stamped earlier by a publisher whose
+    clock is behind was applied first by a snapshot, and lost to the older one."""
+    from processor.batch.replay import replay
+    from processor.batch.snapshot import broker_stamped, snapshot
+    from processor.kafka.clients import topic_configs
+
+    name = f"t_spark_back_{int(time.time() * 1000) % 10**9}"
+    spec = SowTopic(timestamps="publisher", topic=name, key=["/id"], expiration="enabled", partitions=2)
+    _create(admin, spec)  # the broker's default: CreateTime
+    assert not broker_stamped(kafka_bootstrap, spec)
+    arrival = SowTopic(topic=f"{name}_arrival", key=["/id"], partitions=2)  # `timestamps: arrival`: LogAppendTime, no window
+    ensure_topics(admin, {t: c for t, c in topic_configs(arrival).items() if t in (arrival.topic, arrival.delta_topic)})
+    assert broker_stamped(kafka_bootstrap, arrival)
+    producer = make_producer(kafka_bootstrap)
+    for at, suffix, value, headers in [
+        (1000, "", {"id": 1, "v": "a"}, None),
+        (900, "", {"id": 1, "v": "b"}, None),  # sent after "a" by a publisher whose clock is behind
+        (950, ".delta", {"id": 1, "w": 1}, None),  # before "a" in a worker's order
+        (2000, "", {"id": 2, "x": 1}, [("sow-expiration", b"1s")]),  # due at 3000
+        (4000, "", {"id": 3}, None),
+        (2500, "", {"id": 2, "y": 1}, [("sow-command", b"delta_publish")]),  # sorts at 4000: 2 is gone, it starts anew
+    ]:
+        producer.produce(spec.topic + suffix, orjson.dumps(value), b"k", headers=headers, timestamp=T0 + at)
+    assert producer.flush(30) == 0
+    scripted = Scripted(spec, kafka_bootstrap, {i: spec.key_spec.sow_key({"id": i}) for i in (1, 2, 3)})
+    for at, expected in [(999, {1: ({"id": 1, "w": 1}, None)}),
+                         (5000, {1: ({"id": 1, "v": "b"}, None), 2: ({"id": 2, "y": 1}, None), 3: ({"id": 3}, None)})]:
+        got = {r["sow_key"]: (orjson.loads(r["record"]), r["expires_at"]) for r in snapshot(spark, kafka_bootstrap, spec, T0 + at).collect()}
+        assert got == _as_sow(scripted, expected), at
+        assert got == {k: (r.data, r.expires_at) for k, r in fold_history(spec, _read_inputs(scripted), T0 + at).items()}
+    k = scripted.keys
+    events = list(replay(spark, kafka_bootstrap, spec, T0 + 999, T0 + 5000))
+    assert [(e["op"], e["sow_key"]) for e in events] == [
+        ("sow", k[1]), ("update", k[1]), ("update", k[1]), ("insert", k[2]), ("expire", k[2]), ("insert", k[3]), ("insert", k[2])]
+    assert events[2]["record"] == {"id": 1, "v": "b"} and events[-1]["record"] == {"id": 2, "y": 1}
+
+
 def _row(spec: SowTopic, at: int, value: dict | bytes | None, delta: bool = False, headers=None, offset: int = 0):
     from pyspark.sql import Row
 
