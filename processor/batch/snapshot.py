@@ -495,7 +495,7 @@ def _merge_maps(acc: Column, new: Column, levels: int) -> Column:
 
 
 def _merge_in_python():
-    """The core's merge over a chain's JSON values: for records nested deeper than MERGE_LEVELS."""
+    """The core's merge over a chain's JSON values: for the chains `records` does not merge in Spark."""
     import functools
 
     import orjson
@@ -505,26 +505,37 @@ def _merge_in_python():
     return _series_udf(lambda values: orjson.dumps(functools.reduce(merge, (orjson.loads(v) for v in values))).decode(), "string")
 
 
+# Number literals that VARIANT does not give back as the workers write them: it reads a literal
+# with a decimal point as a DECIMAL, so a whole one loses its fraction (`2.0` becomes the integer
+# `2`, `-0.0` becomes `0`) and one of 16 digits or more keeps digits a double does not (the workers
+# read every such literal as a double). Matched anywhere in the text: one inside a string only
+# sends its chain to Python too, which is slower, not different.
+_NOT_VARIANT_SAFE = r"[0-9]\.0+([^0-9.eE]|$)|[0-9][0-9.]{16,}"
+
+
 def records(chained: DataFrame) -> DataFrame:
     """Record text per group, all within the group's row (no shuffle): a chain of one write is
     that write's value as published; longer chains fold `_merge_maps` over their VARIANT values.
     Chains that may nest deeper than MERGE_LEVELS (judged by an upper bound: an object level
-    needs a '{') go through the core's merge in Python instead."""
+    needs a '{'), or that hold a number VARIANT would change (`_NOT_VARIANT_SAFE`), go through the
+    core's merge in Python instead."""
     from pyspark.sql import functions as F
 
     def as_map(text: Column) -> Column:
         return F.parse_json(text).try_cast("map<string,variant>")
 
     braces = F.aggregate("values", F.lit(0), lambda acc, v: F.greatest(acc, F.length(v) - F.length(F.regexp_replace(v, r"\{", ""))))
+    in_python = (braces > MERGE_LEVELS + 1) | ((F.size("values") > 1) & F.exists("values", lambda v: v.rlike(_NOT_VARIANT_SAFE)))
     folded = F.aggregate(F.slice("values", 2, F.size("values")), as_map(F.col("values")[0]), lambda acc, v: _merge_maps(acc, as_map(v), MERGE_LEVELS))
-    shallow = chained.where(braces <= MERGE_LEVELS + 1).select(
+    chained = chained.select("*", in_python.alias("in_python"))
+    shallow = chained.where(~F.col("in_python")).select(
         "grp",
         F.when(F.size("values") == 1, F.col("values")[0]).otherwise(F.to_json(F.to_variant_object(folded))).alias("record"),
         "expires_at",
         "updated_at",
     )
-    deep = chained.where(braces > MERGE_LEVELS + 1).select("grp", _merge_in_python()("values").alias("record"), "expires_at", "updated_at")
-    return shallow.unionByName(deep)
+    python = chained.where(F.col("in_python")).select("grp", _merge_in_python()("values").alias("record"), "expires_at", "updated_at")
+    return shallow.unionByName(python)
 
 
 def _series_udf(fn, return_type: str):

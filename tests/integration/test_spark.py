@@ -297,6 +297,31 @@ def test_snapshot_keys_five_and_string_five_as_one_record(spark, kafka_bootstrap
     }
 
 
+def test_a_merged_record_keeps_its_numbers_as_the_worker_writes_them(spark, kafka_bootstrap, admin):
+    """Audit: a record merged in Spark (VARIANT) had its whole floats written as integers (`2.0` as
+    `2`, `-0.0` as `0`) and kept digits a double does not: such chains merge with the core's merge.
+    Compared as JSON with sorted keys, where 2 and 2.0 differ."""
+    from processor.batch.snapshot import snapshot
+
+    spec = SowTopic(timestamps="publisher", topic=f"t_spark_numbers_{int(time.time() * 1000) % 10**9}", key=["/id"], partitions=2)
+    _create(admin, spec)
+    producer = make_producer(kafka_bootstrap)
+    publishes = {1: b'{"id":1,"px":2.0,"z":-0.0,"legs":[1.0,2]}', 2: b'{"id":2,"n":{"q":7.0},"r":1.5}',
+                 3: b'{"id":3,"p":0.10000000000000001}', 4: b'{"id":4,"px":1.50,"e":2.0e5}'}
+    deltas = {1: b'{"id":1,"qty":3}', 2: b'{"id":2,"n":{"w":1}}', 3: b'{"id":3,"q":1}', 4: b'{"id":4,"px":2.25}'}
+    for i, value in publishes.items():
+        producer.produce(spec.topic, value, b"k", timestamp=T0 + i)
+        producer.produce(spec.delta_topic, deltas[i], b"k", timestamp=T0 + 10 + i)
+    assert producer.flush(30) == 0
+    canonical = lambda record: orjson.dumps(record, option=orjson.OPT_SORT_KEYS)  # noqa: E731
+    got = {r["sow_key"]: canonical(orjson.loads(r["record"])) for r in snapshot(spark, kafka_bootstrap, spec, T0 + 100).collect()}
+    messages = [InputMessage(t, 0, i, None, v, None, T0 + at + i) for i in publishes for t, v, at in ((spec.topic, publishes[i], 0), (spec.delta_topic, deltas[i], 10))]
+    folded = {k: canonical(r.data) for k, r in fold_history(spec, messages, T0 + 100).items()}
+    assert got == folded
+    assert orjson.loads(got[spec.key_spec.sow_key({"id": 1})]) == {"id": 1, "legs": [1.0, 2], "px": 2.0, "qty": 3, "z": -0.0}
+    assert b'"px":2.0' in got[spec.key_spec.sow_key({"id": 1})] and b'"q":7.0' in got[spec.key_spec.sow_key({"id": 2})]
+
+
 def test_cli_snapshot_json_lines_and_parquet(spark, scripted, tmp_path):
     """`ksow snapshot` (in-process, on the module's SparkSession): --filter, JSON lines, --out."""
     from click.testing import CliRunner
