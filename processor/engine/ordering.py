@@ -35,9 +35,11 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from itertools import islice, repeat, takewhile
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 _NO_BOUND = (float("inf"),)
+_PLACE, _ORDER = itemgetter(1, 2, 3), itemgetter(0, 1, 2, 3)  # (input, offset); (sort time, input, offset)
 
 
 def drain_in_order(queues: Sequence[deque], behind: Sequence[bool], force: bool = False,
@@ -103,13 +105,34 @@ def in_partition_time_order(entries: Iterable[tuple]) -> list[tuple]:
     in the order a merge of their queues gives: each entry's sort time is the largest timestamp so far
     on its input partition (rank, partition), so a timestamp that goes backwards keeps its offset's
     place. Returned as (sort time, rank, partition, offset, item)."""
-    tops: dict[tuple[int, int], int] = {}
+    entries = entries if isinstance(entries, list) else list(entries)
+    keyed = _with_sort_times(entries)
+    if keyed is None:  # some partition's entries are not in offset order (any order is allowed): sort them so
+        keyed = _with_sort_times(sorted(entries, key=_PLACE))
+    keyed.sort(key=_ORDER)  # runs of ordered entries (a read of each partition): timsort merges them
+    return keyed
+
+
+def _with_sort_times(entries: list) -> list | None:
+    """The entries keyed by sort time, or None when an input partition's entries are not in offset
+    order (a read hands each partition's messages in order: that case needs no sort first)."""
+    seen: dict[tuple[int, int], tuple[int, int]] = {}  # input partition -> (its sort time so far, last offset)
     keyed = []
-    for ts, rank, partition, offset, item in sorted(entries, key=lambda e: (e[1], e[2], e[3])):
-        tp = (rank, partition)
-        top = tops[tp] = max(ts, tops.get(tp, ts))
-        keyed.append((top, rank, partition, offset, item))
-    keyed.sort(key=lambda e: e[:4])
+    append = keyed.append
+    run_rank = run_partition = None  # the partition of the current run of entries (a read hands them in runs)
+    top = last = 0
+    for ts, rank, partition, offset, item in entries:
+        if partition != run_partition or rank != run_rank:
+            if run_rank is not None:
+                seen[(run_rank, run_partition)] = (top, last)
+            run_rank, run_partition = rank, partition
+            top, last = seen.get((rank, partition), (ts, -1))
+        if offset < last:
+            return None
+        last = offset
+        if ts > top:
+            top = ts
+        append((top, rank, partition, offset, item))
     return keyed
 
 

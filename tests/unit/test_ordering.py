@@ -49,9 +49,26 @@ def test_entries_all_at_hand_come_in_the_order_the_merge_of_their_queues_gives(s
     backwards jumped ahead of earlier offsets of its partition); it must give the worker's order."""
     queues = [entries(i % 3, s, i // 3) for i, s in enumerate(streams)]
     raw = [(ts, r, p, o, item) for q in queues for (_, r, p, o, item) in q for ts in [item[3]]]
+    read = _as_read(raw, rnd)  # each partition in offset order, partitions in runs: no sort needed first
     rnd.shuffle(raw)
     merged = [e[4] for e in ordering.in_partition_time_order(raw)]
     assert merged == drain_in_order(queues, [False] * len(queues))
+    assert [e[4] for e in ordering.in_partition_time_order(read)] == merged
+
+
+def _as_read(raw: list, rnd) -> list:
+    """Entries as a consumer hands them: runs of each partition's entries in offset order."""
+    pending = {}
+    for entry in sorted(raw, key=lambda e: e[1:4]):
+        pending.setdefault(entry[1:3], deque()).append(entry)
+    out = []
+    while pending:
+        tp = rnd.choice(sorted(pending))
+        q = pending[tp]
+        out += [q.popleft() for _ in range(min(len(q), rnd.randint(1, 4)))]
+        if not q:
+            del pending[tp]
+    return out
 
 
 def test_a_timestamp_that_goes_back_keeps_its_place_when_sorted_at_once():
