@@ -12,8 +12,8 @@ What "the history" means:
   backwards it is the timestamp. (A worker also sorts a publisher's stamp more than 10 s ahead of its
   own clock as that clock plus 10 s, which no history holds: the topics ksow creates refuse such
   stamps.)
-- "Now" for a message is its Kafka timestamp: lifetimes count from it, and every record whose instant
-  is at or before it expires, at its instant, before the message applies.
+- "Now" for a message is its Kafka timestamp: lifetimes count from it. Every record whose instant
+  is at or before its sort time expires, at its instant, before the message applies.
 - A message a worker rejects changes nothing (it is counted in `rejected`).
 - The SOW "as of" T holds what the messages with sort time <= T left (a state a worker went
   through: its inputs up to a place in its order), minus records whose instant is <= T (when the
