@@ -43,8 +43,9 @@ ORDER = ("sort", "rank", "partition", "offset")  # the history order (see proces
 
 
 def history_columns(spec: SowTopic) -> list:
-    """The ORDER columns of raw Kafka input rows (`<topic>` ranks before `<topic>.delta`), then
-    their topic: the same history order for the snapshot job and the streaming engine."""
+    """Timestamp (`ts`), rank (`<topic>` before `<topic>.delta`), partition, offset and topic of raw
+    Kafka input rows, for the snapshot job and the streaming engine. With the sort time that
+    `read_inputs` adds (`sort`), the batch jobs' history order is ORDER."""
     from pyspark.sql import functions as F
 
     return [
