@@ -7,7 +7,7 @@ byte for byte the same whichever engine wrote them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import orjson
 
@@ -41,25 +41,51 @@ class Streams:
         return cls(spec.sow_topic, spec.diff_topic, spec.expired_topic, spec.dead_topic, spec.errors_topic, spec.repartition_topic)
 
 
-Send = Callable[..., None]  # send(topic, partition, key, value, headers, changelog=False, timestamp=0)
+class Sink(Protocol):
+    """Where an engine's messages go: a runner's output buffer (the worker's produces them at once)
+    or a list that collects them as Outputs (`sink`)."""
+
+    def send(self, topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list,
+             changelog: bool = False, timestamp: int = 0) -> None:
+        """One message (`changelog`: a `.sow` record)."""
+        ...
+
+    def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
+               timestamp: int = 0, side: str | None = None) -> None:
+        """The messages of one transition, with the same key and headers: `value` on `sow` (None: a
+        tombstone) stamped `timestamp` (0: now), `told` on `diff` and, when given, on `side` (`EXP.`
+        or `.dead`). Every input and every expiry sends these: a buffer does its bookkeeping once
+        for them."""
+        ...
 
 
-def sender(out) -> Send:
-    """How messages go into `out`: a runner's buffer that produces them at once has `send` (no
-    Output object a message on the hot path); a list collects them as Outputs."""
-    send = getattr(out, "send", None)
-    if send is not None:
-        return send
-    append = out.append
-
-    def collect(topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list, changelog: bool = False, timestamp: int = 0) -> None:
-        append(Output(topic, partition, key, value, headers, changelog, timestamp))
-
-    return collect
+def sink(out) -> Sink:
+    """`out` itself when it is a runner's buffer (it has `change`), else a Sink that appends Outputs
+    to it."""
+    return out if hasattr(out, "change") else _Collector(out.append)
 
 
-def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, stored: bool = True, max_bytes: int = 0) -> None:
-    """Send the messages that tell the world about one transition of partition p (`sender`).
+class _Collector:
+    __slots__ = ("append",)
+
+    def __init__(self, append: Callable[[Output], None]):
+        self.append = append
+
+    def send(self, topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list,
+             changelog: bool = False, timestamp: int = 0) -> None:
+        self.append(Output(topic, partition, key, value, headers, changelog, timestamp))
+
+    def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
+               timestamp: int = 0, side: str | None = None) -> None:
+        append = self.append
+        append(Output(sow, partition, key, value, headers, True, timestamp))
+        append(Output(diff, partition, key, told, headers))
+        if side is not None:
+            append(Output(side, partition, key, told, headers))
+
+
+def render(t: Transition, p: int, codec: Codec, streams: Streams, out: Sink, stored: bool = True, max_bytes: int = 0) -> None:
+    """Send the messages that tell the world about one transition of partition p into `out`.
 
     A write puts the merged record on `.sow` and the diff on `.diff`; a removal puts a tombstone on
     `.sow` and the last record on `.diff`, and for expire/evict also on `EXP.`/`.dead`. When nothing
@@ -85,7 +111,7 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
             if not stored:
                 if max_bytes and len(value) > max_bytes:
                     _too_large(t, streams.diff, len(value), max_bytes)
-                send(streams.diff, p, key, value, headers)
+                out.send(streams.diff, p, key, value, headers)
                 return
             changes = orjson.dumps(t.changes)
         except orjson.JSONEncodeError as exc:  # e.g. an Avro record (of a recursive schema) deeper than orjson writes
@@ -96,14 +122,13 @@ def render(t: Transition, p: int, codec: Codec, streams: Streams, send: Send, st
             _too_large(t, topic, big, max_bytes)
         # The `.sow` record carries the instant of the change, so a store restored from it knows
         # when each record last changed (a rerouted delete keeps what changed after it).
-        send(streams.sow, p, key, value, headers, True, after.updated_at)
-        send(streams.diff, p, key, changes, headers)
+        out.change(streams.sow, streams.diff, p, key, value, changes, headers, after.updated_at)
         return
     assert t.before is not None
-    render_removal(t.op, key, t.before, t.seq, t.at_ms, p, codec, streams, send)
+    render_removal(t.op, key, t.before, t.seq, t.at_ms, p, codec, streams, out)
 
 
-def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, p: int, codec: Codec, streams: Streams, send: Send) -> None:
+def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, p: int, codec: Codec, streams: Streams, out: Sink) -> None:
     """The messages of a delete, expire or evict of `before` (what `render` sends for a removal,
     without a Transition: the expiry sweep's path)."""
     headers = [(_KEY, key), _EXPIRE_OP if op is _EXPIRE else _EVICT_OP if op is _EVICT else _DELETE_OP, (_SEQ, b"%d" % seq)]
@@ -115,12 +140,8 @@ def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, 
     last = before.json
     if last is None or codec.name != "json":
         last = codec.encode(before.data)
-    send(streams.sow, p, key, None, headers, True)
-    send(streams.diff, p, key, last, headers)
-    if op is _EXPIRE:
-        send(streams.expired or streams.dead, p, key, last, headers)
-    elif op is _EVICT:
-        send(streams.dead, p, key, last, headers)
+    side = (streams.expired or streams.dead) if op is _EXPIRE else streams.dead if op is _EVICT else None
+    out.change(streams.sow, streams.diff, p, key, None, last, headers, 0, side)
 
 
 def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:

@@ -25,7 +25,7 @@ from processor.core.expiry import is_due
 from processor.core.filters import compile_filter
 from processor.core.keys import owner_partition
 from processor.core.sow import Transition, apply_write, removal
-from processor.engine.outputs import Send, Streams, render, render_removal, sender
+from processor.engine.outputs import Sink, Streams, render, render_removal, sink
 from processor.topology import CapacityPolicy, Persistence, SowTopic
 
 _SOW_DELETE, _EXPIRE = Command.SOW_DELETE, Op.EXPIRE  # globals: a member looked up on its Enum class costs ~8x more
@@ -102,8 +102,8 @@ class SowPartition:
         # Capacity is split evenly over the partitions, so the topic never holds more than `capacity`.
         self.capacity = capacity // n + (1 if p < capacity % n else 0) if capacity else 0
         self.max_bytes = max_record_bytes()
-        self._out: object = None  # the output buffer `_send` sends into
-        self._send: Send | None = None
+        self._out: object = None  # the output buffer `_to` sends into
+        self._to: Sink | None = None
         self.delete_chunk = delete_chunk()
 
     # event IDs ---------------------------------------------------------------------
@@ -150,7 +150,7 @@ class SowPartition:
         if out is not None:  # else the caller keeps transitions, not messages (the reference fold)
             # Refused (InputError, nothing emitted) when the record or its diff is over the size a
             # Kafka message may have.
-            render(t, self.p, self.codec, self.streams, self._sender(out), stored, self.max_bytes)
+            render(t, self.p, self.codec, self.streams, self._sink(out), stored, self.max_bytes)
         for listener in self.listeners:
             listener.on_change(self.p, t, out)
         if stored:
@@ -229,7 +229,7 @@ class SowPartition:
         state = self.state
         get, remove = state.get, state.remove
         p, codec, streams, listeners = self.p, self.codec, self.streams, self.listeners
-        send = None if out is None else self._sender(out)
+        to = None if out is None else self._sink(out)
         # As next_seq, for a run of removals at one instant: the counter is read once and stored once.
         counter = start = state.counter()
         floor = now * 1000
@@ -243,8 +243,8 @@ class SowPartition:
             remove(key)
             counter = counter + 1 if counter >= floor else floor
             seq = (counter << SEQ_PARTITION_BITS) | p
-            if send is not None:
-                render_removal(_EXPIRE, key.encode(), record, seq, now, p, codec, streams, send)
+            if to is not None:
+                render_removal(_EXPIRE, key.encode(), record, seq, now, p, codec, streams, to)
             if listeners:
                 self._tell(removal(_EXPIRE, key, record, now, seq), out)
             if not expired:
@@ -277,18 +277,18 @@ class SowPartition:
             out.append(Output(sow, self.p, kb, encode(record.data), headers, True, record.updated_at))
 
     # outputs -----------------------------------------------------------------------
-    def _sender(self, out) -> Send:
-        """`sender(out)`, worked out once for each output buffer a runner hands in."""
+    def _sink(self, out) -> Sink:
+        """`sink(out)`, worked out once for each output buffer a runner hands in."""
         if out is not self._out:
-            self._out, self._send = out, sender(out)
-        return self._send
+            self._out, self._to = out, sink(out)
+        return self._to
 
     def _removed(self, op: Op, key: str, before: SowRecord, now: int, out: list | None) -> None:
         """Tell of a removal the caller made (out=None: the caller keeps transitions, not messages).
         No Transition is made unless a listener needs one: expiry sweeps remove thousands a second."""
         seq = self.next_seq(now)
         if out is not None:
-            render_removal(op, key.encode(), before, seq, now, self.p, self.codec, self.streams, self._sender(out))
+            render_removal(op, key.encode(), before, seq, now, self.p, self.codec, self.streams, self._sink(out))
         if self.listeners:
             self._tell(removal(op, key, before, now, seq), out)
 

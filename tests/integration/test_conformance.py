@@ -57,7 +57,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from processor.core.codec import codec_for  # noqa: E402
 from processor.core.keys import owner_partition  # noqa: E402
-from processor.engine.outputs import Streams, render, sender  # noqa: E402
+from processor.engine.outputs import Streams, render, sink  # noqa: E402
 from processor.kafka.clients import ensure_topics, make_consumer, make_producer, topic_configs
 from processor.contract.types import InputMessage
 from processor.engine.fold import SowFold
@@ -391,7 +391,7 @@ def _fold_streams(run: Run) -> dict[str, dict[str, list[tuple]]]:
     def add(transitions) -> None:
         for t in transitions:
             rendered: list = []
-            render(t, 0, codec, names, sender(rendered))
+            render(t, 0, codec, names, sink(rendered))
             for e in rendered:
                 h = dict(e.headers)
                 stream = stream_of[e.topic]  # EXP.<topic>, or .dead with expiry_topic: none

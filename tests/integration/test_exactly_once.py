@@ -23,7 +23,7 @@ from processor.contract.limits import MAX_FUTURE_STAMP_MS
 from processor.contract.types import InputMessage
 from processor.core.keys import owner_partition
 from processor.engine.fold import SowFold, in_order
-from processor.engine.outputs import Streams, render, sender
+from processor.engine.outputs import Streams, render, sink
 from processor.kafka.clients import FUTURE_STAMPS, ensure_topics, make_admin, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
@@ -59,9 +59,9 @@ def expected_events(spec, inputs, now) -> tuple[dict, dict]:
     outputs: list = []
     for msg in inputs:
         for t in fold.apply(msg):
-            render(t, 0, fold.codec, streams, sender(outputs))
+            render(t, 0, fold.codec, streams, sink(outputs))
     for t in fold.expire_until(now):
-        render(t, 0, fold.codec, streams, sender(outputs))
+        render(t, 0, fold.codec, streams, sink(outputs))
     per_key: dict = defaultdict(list)
     for o in outputs:
         hs = dict(o.headers)

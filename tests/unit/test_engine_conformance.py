@@ -20,7 +20,7 @@ from processor.contract import headers as H
 from processor.contract.types import InputMessage
 from processor.core.keys import owner_partition
 from processor.engine.fold import SowFold
-from processor.engine.outputs import Streams, render, sender
+from processor.engine.outputs import Streams, render, sink
 from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
@@ -113,7 +113,7 @@ def run_fold(spec, messages):
     outputs: list = []
     for msg in messages:
         for t in fold.apply(msg):
-            render(t, 0, fold.codec, streams, sender(outputs))
+            render(t, 0, fold.codec, streams, sink(outputs))
     final = {k: (r.data, r.expires_at) for k, r in fold.records.items()}
     return final, events_of(outputs, streams)[0], fold.rejected
 

@@ -248,44 +248,114 @@ class _Batch:
 
     def send(self, topic: str, partition: int, key: bytes | None, value: bytes | None, headers: list,
              changelog: bool = False, timestamp: int = 0) -> None:
-        """Produce one message into the cycle's transaction (the engine's renderer calls this
-        directly: processor.engine.outputs.sender)."""
+        """Produce one message into the cycle's transaction (processor.engine.outputs.Sink)."""
         if self.error is not None:
             return
-        if changelog:  # counted per partition (the metrics sum them)
-            tp = (topic, partition)
-            counts = self.changelog
-            n = counts[tp] = counts.get(tp, 0) + 1
-            if n > 1 and n % _SAMPLE:
-                callback = self.failures  # None under exactly-once: a failed delivery fails the commit
-            else:
-                callback = partial(self.positions.report, n)
+        if changelog:
+            callback = self._changelog_callback(topic, partition)
         else:
             callback = self.failures
             topics = self.topics
             topics[topic] = topics.get(topic, 0) + 1
         loop = self.loop
+        if not loop._in_txn and loop.eos and not self._begin():
+            return
         try:
-            if not loop._in_txn and loop.eos:
-                loop.producer.begin_transaction()
-                loop._in_txn = True
-            try:
-                # Positional (topic, value, key, partition, on_delivery, callback, timestamp, headers):
-                # keyword arguments cost ~0.5 us more a message, measured.
-                self.produce(topic, value, key, partition, callback, None, timestamp, headers)
-            except BufferError:
-                loop._produce_when_room(Output(topic, partition, key, value, headers, changelog, timestamp), callback)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise
-                loop._produce_when_room(_too_large(Output(topic, partition, key, value, headers), loop.settings.max_message_bytes), callback)
+            # Positional (topic, value, key, partition, on_delivery, callback, timestamp, headers):
+            # keyword arguments cost ~0.5 us more a message, measured.
+            self.produce(topic, value, key, partition, callback, None, timestamp, headers)
+        except (BufferError, KafkaException) as exc:
+            if not self._refused(exc, Output(topic, partition, key, value, headers, changelog, timestamp), callback):
+                return
+        self.sent += 1
+        if _KILLS:
+            self._maybe_kill(1)
+
+    def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
+               timestamp: int = 0, side: str | None = None) -> None:
+        """Produce one transition's messages into the cycle's transaction (Sink.change): `send`'s
+        work, done once for the two or three (every input and every expiry comes through here)."""
+        if self.error is not None:
+            return
+        callback = self._changelog_callback(sow, partition)
+        failures = self.failures
+        topics = self.topics
+        topics[diff] = topics.get(diff, 0) + 1
+        loop = self.loop
+        if not loop._in_txn and loop.eos and not self._begin():
+            return
+        produce, done = self.produce, 0
+        try:
+            produce(sow, value, key, partition, callback, None, timestamp, headers)
+            done = 1
+            produce(diff, told, key, partition, failures, None, 0, headers)
+            if side is not None:
+                done = 2
+                produce(side, told, key, partition, failures, None, 0, headers)
+        except (BufferError, KafkaException) as exc:
+            rest = [(Output(sow, partition, key, value, headers, True, timestamp), callback), (Output(diff, partition, key, told, headers), failures)]
+            if side is not None:
+                rest.append((Output(side, partition, key, told, headers), failures))
+            if not self._refused(exc, *rest[done]):
+                return
+            for o, cb in rest[done + 1:]:
+                try:
+                    produce(o.topic, o.value, o.key, o.partition, cb, None, o.timestamp, o.headers)
+                except (BufferError, KafkaException) as again:
+                    if not self._refused(again, o, cb):
+                        return
+        if side is None:
+            self.sent += 2
+        else:
+            topics[side] = topics.get(side, 0) + 1
+            self.sent += 3
+        if _KILLS:
+            self._maybe_kill(2 if side is None else 3)
+
+    def _changelog_callback(self, topic: str, partition: int):
+        """The delivery callback of a `.sow` record, counted per partition: the position report of
+        the partition's first one in the batch and of one in `_SAMPLE` after it, else the failures
+        callback (None under exactly-once: a failed delivery fails the commit)."""
+        tp = (topic, partition)
+        counts = self.changelog
+        n = counts[tp] = counts.get(tp, 0) + 1
+        if n > 1 and n % _SAMPLE:
+            return self.failures
+        return partial(self.positions.report, n)
+
+    def _begin(self) -> bool:
+        """Begin the loop's transaction, with the batch's first output; False when it cannot (the
+        error is kept: the commit raises it)."""
+        loop = self.loop
+        try:
+            loop.producer.begin_transaction()
         except KafkaException as exc:
             self.error = exc
-            return
-        self.sent += 1
-        if _KILLS and self.sent % 50 == 25:  # tests: a crash with part of the outputs on the broker
-            loop.producer.flush()
-            _kill("produce")
+            return False
+        loop._in_txn = True
+        return True
+
+    def _refused(self, exc: Exception, o: Output, callback) -> bool:
+        """Produce a message the producer refused: again once its queue has room, or cut short when
+        it is too large (`_too_large`). False on any other failure (the error is kept)."""
+        loop = self.loop
+        try:
+            if isinstance(exc, KafkaException):
+                if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                    raise exc
+                o = _too_large(o, loop.settings.max_message_bytes)
+            loop._produce_when_room(o, callback)
+        except KafkaException as err:
+            self.error = err
+            return False
+        return True
+
+    def _maybe_kill(self, produced: int) -> None:
+        """Tests: a crash with part of the outputs on the broker, after every 50th message."""
+        for sent in range(self.sent - produced + 1, self.sent + 1):
+            if sent % 50 == 25:
+                self.loop.producer.flush()
+                _kill("produce")
 
     def take_counts(self) -> dict[str, int]:
         """Outputs per topic since the last call (the metrics of a commit; a checkpoint is one)."""
