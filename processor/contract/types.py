@@ -61,6 +61,10 @@ class InputMessage:
     value: bytes | None
     headers: list[tuple[str, bytes]] | None
     timestamp: int  # the Kafka timestamp, epoch ms
+    # Its place in its SOW partition's order, when a runner ordered it: its input partition's
+    # largest timestamp so far (processor.engine.ordering). What expired before that is gone for
+    # it. 0: the timestamp.
+    sort: int = 0
 
 @dataclass(slots=True)
 class Output:

@@ -119,24 +119,27 @@ class SowPartition:
         return (counter << SEQ_PARTITION_BITS) | self.p
 
     # commands ----------------------------------------------------------------------
-    def apply(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
+    def apply(self, cmd: SowCommand, published: int, now: int, out: list, came: int | None = None) -> None:
         """Apply one command owned by this partition. `published` is the instant the input reached
-        Kafka: a lifetime counts from it, and a record whose instant had not passed by then is still
-        there for it, however late it is applied (a worker behind its inputs, or down a while, does not
-        lose an update or a delete sent in time). `now` is when it is applied. Raises InputError when
-        refused."""
+        Kafka: a lifetime counts from it. `came` (default `published`) is its place in the order of
+        the partition's inputs, its sort time: a record whose instant had not passed by then is still
+        there for it, however late it is applied (a worker behind its inputs, or down a while, does
+        not lose an update or a delete sent in time). `now` is when it is applied. Raises InputError
+        when refused."""
         if cmd.command is _SOW_DELETE:
-            self.delete(cmd, now, out, at=published)
+            self.delete(cmd, now, out, at=published if came is None else came)
         else:
-            self.write(cmd, published, now, out)
+            self.write(cmd, published, now, out, came)
 
-    def write(self, cmd: SowCommand, published: int, now: int, out: list) -> None:
-        """A publish or delta publish."""
+    def write(self, cmd: SowCommand, published: int, now: int, out: list, came: int | None = None) -> None:
+        """A publish or delta publish (`apply`)."""
         key = cmd.sow_key
         assert key is not None
         state = self.state
         stored = self.stored
-        at = published if published < now else now  # when it came: what had expired by then is gone for it
+        if came is None:
+            came = published
+        at = came if came < now else now  # what had expired by then is gone for it
         before = state.get(key) if stored else None
         if before is not None:
             if self.expiring and is_due(before.expires_at, at):

@@ -109,6 +109,7 @@ class SowTopicEngine:
         partition too, else rerouted through `.repartition` to its owner."""
         cmd, default = self.parse(msg)
         published = msg.timestamp or now
+        came = msg.sort or published  # its place in the order: what was due by then expired before it
         partitions = self.partitions
         n = self.spec.partitions
         key = cmd.sow_key
@@ -120,7 +121,7 @@ class SowTopicEngine:
             if target is None:
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
             else:
-                target.apply(cmd, published, now, out)
+                target.apply(cmd, published, now, out, came)
             return
         if msg.topic == self.streams.repartition and _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
             partitions[msg.partition].delete(cmd, now, out, sent_at=published)
@@ -135,7 +136,7 @@ class SowTopicEngine:
         owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
         for q in sorted(owners & partitions.keys()):
             if q == msg.partition:
-                partitions[q].apply(cmd, published, now, out)
+                partitions[q].apply(cmd, published, now, out, came)
             else:
                 partitions[q].delete(cmd, now, out, sent_at=published)
         if cmd.keys:

@@ -4,11 +4,15 @@ gone before that input applies, whichever part of the history is folded."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 
 from processor.contract import headers as H
 from processor.contract.types import InputMessage
+from processor.core.keys import owner_partition
 from processor.engine.fold import SowFold, fold_history, history, in_order
+from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
 SPEC = parse_topology({"sow": [{"topic": "t", "key": ["/id"], "partitions": 2, "expiration": "enabled"}]}).sow[0]
@@ -56,3 +60,24 @@ def test_a_record_due_by_an_inputs_sort_time_is_gone_before_it_applies_in_a_part
     for m in (two, late_delta):  # without them the delta would merge into the live record
         unsorted.apply(m)
     assert unsorted.records[key].data == {"id": 2, "x": 1, "y": 1}
+
+
+def test_the_worker_judges_what_expired_before_an_input_at_its_sort_time():
+    """The worker's engine, given the sort time its loop files an input with, leaves what the fold
+    leaves when no sweep ran in between: the delta stamped 2500 sorts at 4000, after record 2's
+    instant (3000), so the record expires first (on EXP.t) and the delta starts a new record. An
+    input no runner ordered (sort 0) is judged at its timestamp: the record is still live then."""
+    key = SPEC.key_spec.sow_key({"id": 2})
+    two = msg("t", 2, 2000, {"id": 2, "x": 1}, [(H.EXPIRATION, b"1s")])
+    delta = msg("t", 4, 2500, {"id": 2, "y": 1}, [(H.COMMAND, b"delta_publish")])
+    results = {}
+    for sort in (4000, 0):
+        worker = LocalTopic(SPEC)
+        for p in range(SPEC.partitions):
+            worker.open(p)
+        worker.handle([two], now=2000)
+        out = worker.handle([dataclasses.replace(delta, sort=sort)], now=5000)
+        record = worker.stores[owner_partition(key, SPEC.partitions)].get(key)
+        results[sort] = ([orjson.loads(o.value) for o in out if o.topic == SPEC.expired_topic], record.data, record.expires_at)
+    assert results[4000] == ([{"id": 2, "x": 1}], {"id": 2, "y": 1}, None)
+    assert results[0] == ([], {"id": 2, "x": 1, "y": 1}, None)

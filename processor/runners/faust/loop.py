@@ -772,7 +772,7 @@ class SowLoop:
             if sort > top:
                 tops[rank] = top = sort
             fetched[rank] = offset + 1
-            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts)))
+            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts, top)))
         if self.settings.order_grace_ms:
             tops: dict[str, int] = {}
             for task in self.tasks.values():
