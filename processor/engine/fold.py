@@ -36,7 +36,7 @@ from processor.core.filters import FilterError
 from processor.core.keys import owner_partition
 from processor.core.sow import Transition
 from processor.engine.ordering import in_partition_time_order
-from processor.engine.partition import SowPartition, scan_matching
+from processor.engine.partition import SowPartition, pop_due_by_lookup, scan_matching
 from processor.topology import SowTopic
 
 
@@ -69,6 +69,8 @@ class DictState:
         due = self._due
         while due and due[0][0] <= now_ms:
             yield heapq.heappop(due)
+
+    pop_due = pop_due_by_lookup
 
     def next_due(self) -> int | None:
         """The earliest instant in the heap (maybe stale), or None."""

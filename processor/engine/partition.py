@@ -68,6 +68,12 @@ class PartitionState(Protocol):
         Every entry the caller goes past (asks for the next one) counts as handled: expired or stale."""
         ...
 
+    def pop_due(self, now_ms: int) -> Iterator[tuple[int, str, SowRecord]]:
+        """Remove the records whose instant is at or before now_ms and hand each out as (expires_at,
+        SowKey, record), oldest first: each is removed when handed out. `pop_due_by_lookup` does it
+        with due(), get() and remove(); a store may do it in one pass."""
+        ...
+
     def least_recently_updated(self) -> Iterator[tuple[str, SowRecord]]:
         """Live records, least recently updated first (for capacity eviction): by event ID, which
         orders a partition's changes as they were applied (updates of the same millisecond too)."""
@@ -229,21 +235,16 @@ class SowPartition:
         its first expiry."""
         if not self.policy.active or not self.stored:
             return 0, 0
+        if limit == 0:
+            return 0, 0
         state = self.state
-        get, remove = state.get, state.remove
         p, codec, streams, listeners = self.p, self.codec, self.streams, self.listeners
         to = None if out is None else self._sink(out)
         # As next_seq, for a run of removals at one instant: the counter is read once and stored once.
         counter = start = state.counter()
         floor = now * 1000
         expired = oldest = 0
-        for at, key in state.due(now if until is None else until):
-            if expired == limit:
-                break
-            record = get(key)
-            if record is None or record.expires_at != at:
-                continue  # updated or deleted since
-            remove(key)
+        for at, key, record in state.pop_due(now if until is None else until):
             counter = counter + 1 if counter >= floor else floor
             seq = (counter << SEQ_PARTITION_BITS) | p
             if to is not None:
@@ -251,8 +252,10 @@ class SowPartition:
             if listeners:
                 self._tell(removal(_EXPIRE, key, record, now, seq), out)
             if not expired:
-                oldest = at  # due() hands out instants oldest first
+                oldest = at  # pop_due() hands out instants oldest first
             expired += 1
+            if expired == limit:  # after the one handed out: it is removed already
+                break
         if counter != start:
             state.set_counter(counter)
         return expired, oldest
@@ -325,6 +328,16 @@ class _TimedFilter:
             self.spent += time.perf_counter() - began
             if self.spent > self.budget:
                 raise _OverBudget(self.budget)
+
+
+def pop_due_by_lookup(state: PartitionState, now_ms: int) -> Iterator[tuple[int, str, SowRecord]]:
+    """`PartitionState.pop_due` from its due(), get() and remove(): an entry whose record changed
+    since (updated, or deleted) is passed over."""
+    for at, key in state.due(now_ms):
+        record = state.get(key)
+        if record is not None and record.expires_at == at:
+            state.remove(key)
+            yield at, key, record
 
 
 def scan_matching(records: Callable[[], Iterator[tuple[str, SowRecord]]], predicate) -> Iterator[str]:

@@ -385,6 +385,23 @@ class PartitionStore:
         if first and not found:
             self._due_from = now_ms + 1
 
+    def pop_due(self, now_ms: int) -> Iterator[tuple[int, str, SowRecord]]:
+        """Remove the records whose instant is at or before now_ms, handing each out as (expires_at,
+        SowKey, record), oldest first (the engine's sweep): due(), get() and remove() in one pass.
+        A record that changed since its entry was written (staged, or committed over) is passed over."""
+        staged, committed = self._staged, self._committed
+        for at, key in self.due(now_ms):
+            record = staged.get(key, _ABSENT)
+            if record is _ABSENT:
+                record = committed.get(key, _ABSENT)  # due() cached it, from its entry, when it was not
+                if record is _ABSENT:
+                    record = committed[key] = self._load(key)
+            if record is None or record.expires_at != at:
+                continue
+            staged[key] = None  # stage(key, None), whose look-ups were just made
+            self._size_delta -= 1
+            yield at, key, record
+
     def oldest(self) -> Iterator[tuple[int, str]]:
         """(seq, SowKey), least recently updated first (needs IndexSpec.track_age)."""
         for k, _ in self.backend.scan(_AGE, _AGE + _END):

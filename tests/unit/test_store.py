@@ -177,6 +177,27 @@ def test_due_after_a_partial_sweep_or_a_rollback(store):
     assert [k for _, k in store.due(1_000)] == ["k2", "k3", "k4"]
 
 
+def test_pop_due_removes_what_it_hands_out_and_passes_over_changed_records(store):
+    """pop_due() is due(), get() and remove() in one pass: each record it hands out is removed (a
+    sweep that stops at its limit loses nothing), one updated or deleted since its entry was written
+    is passed over, and a commit makes the removals durable."""
+    for i in range(5):
+        store.stage(f"k{i}", rec({"i": i}, i, 100 + i))
+    store.commit()
+    store.stage("k1", rec({"i": 1, "v": 2}, 9, 900))  # updated: due later
+    store.stage("k3", None)  # deleted
+    popped = []
+    for at, key, record in store.pop_due(1_000):
+        popped.append((at, key, record.data))
+        if len(popped) == 2:
+            break  # the sweep's limit: what it took is gone, the rest waits
+    assert popped == [(100, "k0", {"i": 0}), (102, "k2", {"i": 2})]
+    assert store.get("k0") is None and store.get("k2") is None and store.size() == 2
+    assert [(at, key) for at, key, _ in store.pop_due(1_000)] == [(104, "k4")]  # k1's new entry is not committed yet
+    store.commit()
+    assert [k for k, _ in store.records()] == ["k1"] and store.count() == 1 and list(store.due(10_000)) == [(900, "k1")]
+
+
 def test_a_sweep_clears_the_entries_it_went_past_and_keeps_those_written_in_its_batch(store):
     """The commit after a sweep deletes the expiry entries the sweep went past; entries the same
     batch writes among them (a record updated meanwhile, a new one) stay, the rest of the index too,

@@ -6,6 +6,7 @@ import pytest
 from processor.core.keys import owner_partition
 from processor.contract import headers as H
 from processor.contract.types import InputMessage
+from processor.engine.fold import SowFold
 from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
@@ -191,6 +192,18 @@ def test_a_sweep_tells_how_many_it_expired_and_the_oldest_instant(tmp_path):
     assert engine.expire_due(0, 12_500, [], limit=1) == (1, 11_000)
     assert engine.expire_due(0, 14_000, []) == (2, 12_000)
     assert engine.expire_due(0, 20_000, []) == (0, 0)
+
+
+def test_a_sweep_that_stops_at_its_limit_leaves_the_rest_due_in_the_fold_too():
+    """The reference fold's state hands each due entry out once (a heap it pops): a sweep with a
+    limit takes the records it expires and no other, so three sweeps of one expire all three."""
+    spec = parse_topology({"sow": [{"topic": "t", "key": ["/id"], "partitions": 1, "expiration": "10s"}]}).sow[0]
+    fold = SowFold(spec)
+    for i in range(3):
+        fold.apply(InputMessage("t", 0, i, None, orjson.dumps({"id": i}), None, 1_000 + i))
+    out: list = []
+    assert [fold.partitions[0].expire_due(20_000, out, limit=1)[0] for _ in range(4)] == [1, 1, 1, 0]
+    assert fold.records == {} and len([o for o in out if o.topic == "EXP.t"]) == 3
 
 
 def test_update_restarts_lifetime_and_zero_never_expires(tmp_path):

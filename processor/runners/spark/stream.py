@@ -39,7 +39,7 @@ from processor.core.filters import FilterError
 from processor.core.keys import owner_partition
 from processor.engine.ordering import in_partition_time_order
 from processor.engine.outputs import rejected
-from processor.engine.partition import scan_matching
+from processor.engine.partition import pop_due_by_lookup, scan_matching
 from processor.engine.topic import SowTopicEngine
 from processor.topology import Persistence, SowTopic, Topology
 
@@ -166,6 +166,8 @@ class SparkState:
             self.due_index.removeKey((at,))
             for key in entry[0].split(",") if entry else ():
                 yield at, key
+
+    pop_due = pop_due_by_lookup
 
     def least_recently_updated(self):
         return iter(sorted(self._all(), key=lambda item: item[1].seq))  # a scan: capacity is costly here
