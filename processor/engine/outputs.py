@@ -66,6 +66,8 @@ def sink(out) -> Sink:
 
 
 class _Collector:
+    """A Sink over a list's `append` (the fold, Spark, tests): each message becomes an Output."""
+
     __slots__ = ("append",)
 
     def __init__(self, append: Callable[[Output], None]):

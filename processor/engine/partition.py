@@ -233,9 +233,7 @@ class SowPartition:
         expiring at `now`. Returns how many, and the instant of the oldest of them (0 when none): `now`
         less that instant is how late the sweep came, the `sow-actual-expiry` less `sow-expires-at` of
         its first expiry."""
-        if not self.policy.active or not self.stored:
-            return 0, 0
-        if limit == 0:
+        if not self.policy.active or not self.stored or limit == 0:
             return 0, 0
         state = self.state
         p, codec, streams, listeners = self.p, self.codec, self.streams, self.listeners
