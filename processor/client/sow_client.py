@@ -34,7 +34,7 @@ from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.subscription import SubscriptionSpec, conflate_event
-from processor.kafka.clients import answered_metadata, end_offsets, is_refusal, make_consumer, make_producer, produce, read_until, resolve_bootstrap
+from processor.kafka.clients import answered_metadata, end_offsets, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
 from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
 
@@ -121,8 +121,10 @@ class Client:
 
         def unanswered(exc: KafkaException, over: bool) -> None:
             error = self._kafka_error  # what the handle's error callbacks were told last
-            if error is not None and (over or is_refusal(error)):
-                raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
+            if error is not None:
+                raise_if_refused(self.bootstrap, [error])  # KafkaRefused, as a query's first read raises
+                if over:
+                    raise KafkaException(KafkaError(exc.args[0].code(), f"cannot read the metadata of {name}: {error.str()}")) from None
 
         found = answered_metadata(handle, name, METADATA_S, unanswered).topics.get(name)
         if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
@@ -298,7 +300,7 @@ class Client:
         topic = _live_topic(spec)
         try:
             self._require(consumer, topic)
-        except ClientError:
+        except Exception:  # a missing topic, a refused login: the consumer is not handed out
             consumer.close()
             raise
         read = Bookmark.start(spec.partitions)

@@ -294,17 +294,19 @@ class _Unanswered:
 
 
 def test_a_refused_login_ends_the_wait_for_a_topics_metadata_at_once():
-    """The first look at a topic's metadata waited its whole 10 s before it read the error callbacks."""
+    """The first look at a topic's metadata waited its whole 10 s before it read the error callbacks.
+    A refusal is KafkaRefused, as a query's: one exception for a refused login, whatever the call."""
     import time
 
     import pytest
-    from confluent_kafka import KafkaException
+
+    from processor.kafka.clients import KafkaRefused
 
     client = Client("127.0.0.1:1")
     handle = _Unanswered(client, [KafkaError(KafkaError._TRANSPORT, "Connection refused"),
                                   KafkaError(KafkaError._AUTHENTICATION, "SASL authentication error: Authentication failed")])
     began = time.monotonic()
-    with pytest.raises(KafkaException, match="cannot read the metadata of orders: SASL authentication error: Authentication failed"):
+    with pytest.raises(KafkaRefused, match="Kafka at 127.0.0.1:1 refused this client: SASL authentication error: Authentication failed"):
         client._require(handle, "orders")
     assert handle.tries == 2 and time.monotonic() - began < 1  # a connection refused is not a refusal: tried again
 
