@@ -772,7 +772,10 @@ class SowLoop:
             if sort > top:
                 tops[rank] = top = sort
             fetched[rank] = offset + 1
-            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts, top)))
+            # An input is judged at its sort time (what expired before it is gone for it), but a
+            # rerouted one at its own timestamp: `.repartition` interleaves the inputs of several
+            # source partitions, so its partition time says nothing of when this one came.
+            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts, top if rank < 2 else 0)))
         if self.settings.order_grace_ms:
             tops: dict[str, int] = {}
             for task in self.tasks.values():
