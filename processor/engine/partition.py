@@ -132,19 +132,19 @@ class SowPartition:
         there for it, however late it is applied (a worker behind its inputs, or down a while, does
         not lose an update or a delete sent in time). `now` is when it is applied. Raises InputError
         when refused."""
+        if came is None:
+            came = published
         if cmd.command is _SOW_DELETE:
-            self.delete(cmd, now, out, at=published if came is None else came)
+            self.delete(cmd, now, out, at=came)
         else:
             self.write(cmd, published, now, out, came)
 
-    def write(self, cmd: SowCommand, published: int, now: int, out: list, came: int | None = None) -> None:
+    def write(self, cmd: SowCommand, published: int, now: int, out: list, came: int) -> None:
         """A publish or delta publish (`apply`)."""
         key = cmd.sow_key
         assert key is not None
         state = self.state
         stored = self.stored
-        if came is None:
-            came = published
         at = came if came < now else now  # what had expired by then is gone for it
         before = state.get(key) if stored else None
         if before is not None:

@@ -389,16 +389,12 @@ class PartitionStore:
         """Remove the records whose instant is at or before now_ms, handing each out as (expires_at,
         SowKey, record), oldest first (the engine's sweep): due(), get() and remove() in one pass.
         A record that changed since its entry was written (staged, or committed over) is passed over."""
-        staged, committed = self._staged, self._committed
+        get, staged = self.get, self._staged
         for at, key in self.due(now_ms):
-            record = staged.get(key, _ABSENT)
-            if record is _ABSENT:
-                record = committed.get(key, _ABSENT)  # due() cached it, from its entry, when it was not
-                if record is _ABSENT:
-                    record = committed[key] = self._load(key)
+            record = get(key)  # cached by due() from its entry, or staged since
             if record is None or record.expires_at != at:
                 continue
-            staged[key] = None  # stage(key, None), whose look-ups were just made
+            staged[key] = None  # stage(key, None), whose look-ups get() just made
             self._size_delta -= 1
             yield at, key, record
 

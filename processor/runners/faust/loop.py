@@ -264,8 +264,8 @@ class _Batch:
             # Positional (topic, value, key, partition, on_delivery, callback, timestamp, headers):
             # keyword arguments cost ~0.5 us more a message, measured.
             self.produce(topic, value, key, partition, callback, None, timestamp, headers)
-        except (BufferError, KafkaException) as exc:
-            if not self._refused(exc, Output(topic, partition, key, value, headers, changelog, timestamp), callback):
+        except (BufferError, KafkaException):
+            if not self._produce_refused(Output(topic, partition, key, value, headers, changelog, timestamp), callback):
                 return
         self.sent += 1
         if _KILLS:
@@ -292,18 +292,13 @@ class _Batch:
             if side is not None:
                 done = 2
                 produce(side, told, key, partition, failures, None, 0, headers)
-        except (BufferError, KafkaException) as exc:
+        except (BufferError, KafkaException):  # the one refused and those after it, one at a time
             rest = [(Output(sow, partition, key, value, headers, True, timestamp), callback), (Output(diff, partition, key, told, headers), failures)]
             if side is not None:
                 rest.append((Output(side, partition, key, told, headers), failures))
-            if not self._refused(exc, *rest[done]):
-                return
-            for o, cb in rest[done + 1:]:
-                try:
-                    produce(o.topic, o.value, o.key, o.partition, cb, None, o.timestamp, o.headers)
-                except (BufferError, KafkaException) as again:
-                    if not self._refused(again, o, cb):
-                        return
+            for o, cb in rest[done:]:
+                if not self._produce_refused(o, cb):
+                    return
         if side is None:
             self.sent += 2
         else:
@@ -335,18 +330,21 @@ class _Batch:
         loop._in_txn = True
         return True
 
-    def _refused(self, exc: Exception, o: Output, callback) -> bool:
-        """Produce a message the producer refused: again once its queue has room, or cut short when
-        it is too large (`_too_large`). False on any other failure (the error is kept)."""
+    def _produce_refused(self, o: Output, callback) -> bool:
+        """Produce a message the producer refused on the hot path: once its queue has room, or cut
+        short when it is too large (`_too_large`). False on any other failure (the error is kept)."""
         loop = self.loop
         try:
-            if isinstance(exc, KafkaException):
+            try:
+                self.produce(o.topic, o.value, o.key, o.partition, callback, None, o.timestamp, o.headers)
+            except BufferError:
+                loop._produce_when_room(o, callback)
+            except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise exc
-                o = _too_large(o, loop.settings.max_message_bytes)
-            loop._produce_when_room(o, callback)
-        except KafkaException as err:
-            self.error = err
+                    raise
+                loop._produce_when_room(_too_large(o, loop.settings.max_message_bytes), callback)
+        except KafkaException as exc:
+            self.error = exc
             return False
         return True
 
