@@ -19,7 +19,7 @@ from processor.core.sow import Transition
 from processor.engine.topic import InputMessage
 from processor.topology import SowTopic
 from processor.engine.fold import SowFold
-from processor.batch.snapshot import ORDER, history_columns, input_offsets, read_inputs, snapshot
+from processor.batch.snapshot import ORDER, history_columns, pin_inputs, read_inputs, snapshot
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -44,15 +44,15 @@ def replay(spark: SparkSession, bootstrap: str, spec: SowTopic, start: int, end:
     """
     from pyspark.sql import functions as F
 
-    ends = input_offsets(bootstrap, spec)
+    pinned = pin_inputs(bootstrap, spec)
     records: dict[str, SowRecord] = {}
-    for row in snapshot(spark, bootstrap, spec, start, ends=ends).toLocalIterator():
+    for row in snapshot(spark, bootstrap, spec, start, pinned=pinned).toLocalIterator():
         data = orjson.loads(row["record"])
         records[row["sow_key"]] = SowRecord(data, 0, row["expires_at"], row["updated_at"])
         yield {"op": "sow", "sow_key": row["sow_key"], "seq": None, "at": row["updated_at"], "expires_at": row["expires_at"], "record": data}
 
     fold = SowFold(spec, transitions=True, records=records)
-    raw = read_inputs(spark, bootstrap, spec, ends, starting_timestamp=start + 1)
+    raw = read_inputs(spark, bootstrap, spec, pinned, starting_timestamp=start + 1)
     window = raw.select(*history_columns(spec), "sort", "value", "headers")
     window = window.where(F.col("sort") > start)  # the snapshot at `start` has the rest
     if end is not None:

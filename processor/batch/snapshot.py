@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -97,8 +98,7 @@ def parse_instant(text: str | int) -> int:
 
 # reading -----------------------------------------------------------------------------------------
 def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
-    """End offsets of the input partitions, pinned once so every pass of a job reads the same
-    history (and inputs arriving meanwhile do not half-appear)."""
+    """End offsets of the input partitions, as Spark's `endingOffsets` takes them (`pin_inputs`)."""
     from confluent_kafka import KafkaException, TopicPartition
 
     from processor.kafka.clients import make_consumer
@@ -121,14 +121,28 @@ def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
         consumer.close()
 
 
-def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict | None = None, starting_timestamp: int | None = None) -> DataFrame:
-    """The raw input messages (Spark's Kafka batch source), from the start or from the first
-    offset whose timestamp is >= `starting_timestamp`, with big fetches: Spark's defaults (500
-    records per poll, 1 MB per partition) made reading 3x slower here."""
+@dataclass(frozen=True)
+class PinnedInputs:
+    """What every pass of one job reads the same: where each input partition ends (inputs arriving
+    meanwhile do not half-appear) and whether the broker stamps both input topics (`sort_time`)."""
+
+    ends: dict[str, dict[str, int]]
+    broker_stamped: bool
+
+
+def pin_inputs(bootstrap: str, spec: SowTopic) -> PinnedInputs:
+    """The inputs of one job, pinned once: a snapshot reads them up to five times."""
+    return PinnedInputs(input_offsets(bootstrap, spec), broker_stamped(bootstrap, spec))
+
+
+def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, pinned: PinnedInputs | None = None,
+                starting_timestamp: int | None = None) -> DataFrame:
+    """The raw input messages (Spark's Kafka batch source) up to the pinned ends, from the start or
+    from the first offset whose timestamp is >= `starting_timestamp`, with big fetches: Spark's
+    defaults (500 records per poll, 1 MB per partition) made reading 3x slower here."""
     from processor.kafka.config import spark_kafka_options
 
-    ends = ends or input_offsets(bootstrap, spec)
-    sort = sort_time(bootstrap, spec)
+    pinned = pinned or pin_inputs(bootstrap, spec)
     reader = (
         spark.read.format("kafka")
         .options(**spark_kafka_options(bootstrap))
@@ -139,18 +153,18 @@ def read_inputs(spark: SparkSession, bootstrap: str, spec: SowTopic, ends: dict 
     if starting_timestamp is not None:
         reader = reader.option("startingTimestamp", str(starting_timestamp)).option("startingOffsetsByTimestampStrategy", "latest")
     return (
-        reader.option("endingOffsets", json.dumps(ends))
+        reader.option("endingOffsets", json.dumps(pinned.ends))
         .option("failOnDataLoss", "false")
         .option("kafka.max.partition.fetch.bytes", str(16 << 20))
         .option("kafka.fetch.max.bytes", str(64 << 20))
         .option("kafka.max.poll.records", "20000")
         .option("kafka.receive.buffer.bytes", str(4 << 20))
         .load()
-        .withColumn("sort", sort)
+        .withColumn("sort", sort_time(pinned.broker_stamped))
     )
 
 
-def sort_time(bootstrap: str, spec: SowTopic) -> Column:
+def sort_time(stamped_by_broker: bool) -> Column:
     """The time an input row sorts by, as a worker sorts it: the largest timestamp so far in its
     partition (processor.engine.ordering), so that a timestamp that goes backwards keeps its
     offset's place. A window over each partition in offset order when the publishers stamp the
@@ -162,7 +176,7 @@ def sort_time(bootstrap: str, spec: SowTopic) -> Column:
     from pyspark.sql import functions as F
 
     ts = F.unix_millis("timestamp")
-    if broker_stamped(bootstrap, spec):
+    if stamped_by_broker:
         return ts
     return F.max(ts).over(Window.partitionBy("topic", "partition").orderBy("offset").rowsBetween(Window.unboundedPreceding, Window.currentRow))
 
@@ -627,13 +641,13 @@ def _fold_groups(spec: SowTopic, events: DataFrame, specials: list, as_of: int) 
     return events.select(*ORDER, "ts", "topic", "value", "headers", "grp").groupBy("grp").applyInPandas(fold, OUTPUT_SCHEMA)
 
 
-def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, ends: dict) -> list:
+def scan_specials(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: int, pinned: PinnedInputs) -> list:
     """The deletes by filter (that parse) and by SowKeys up to `as_of`. Only sow_delete messages
     with a sow-filter, sow-keys or sow-key header can be one, and that is decided on headers
     before any JSON is parsed, so this pass costs about one read of the topics."""
     from pyspark.sql import functions as F
 
-    return classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of, specials_only=True).select(
+    return classify(read_inputs(spark, bootstrap, spec, pinned), spec, as_of=as_of, specials_only=True).select(
         *ORDER, "ts", "kind", "filter", "sow_keys", "topic", "value", "headers"
     ).where(F.col("kind").isin("filter", "keys")).collect()  # a filter that does not parse was rejected by `accepted`
 
@@ -644,7 +658,7 @@ def snapshot(
     spec: SowTopic,
     as_of: int,
     filter: str | None = None,
-    ends: dict | None = None,
+    pinned: PinnedInputs | None = None,
     specials: list | None = None,
     observation: Any = None,
 ) -> DataFrame:
@@ -659,10 +673,10 @@ def snapshot(
 
     check_batch_topic(spec)
     matches = _filter_udf(filter) if filter else None
-    ends = ends or input_offsets(bootstrap, spec)
+    pinned = pinned or pin_inputs(bootstrap, spec)
     if specials is None:
-        specials = scan_specials(spark, bootstrap, spec, as_of, ends)
-    events = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of)
+        specials = scan_specials(spark, bootstrap, spec, as_of, pinned)
+    events = classify(read_inputs(spark, bootstrap, spec, pinned), spec, as_of=as_of)
     if observation is not None:
         events = events.observe(observation, F.count(F.when(F.col("kind").isin("filter", "keys"), 1)).alias("specials"))
     filters = [s for s in specials if s["kind"] == "filter"]
@@ -689,7 +703,7 @@ def snapshot(
         touched = F.col("first") < F.lit(Decimal(last)).cast("decimal(38,0)")
         fallback = groups.where(touched).select("grp")
         groups = groups.where(~touched)
-        rescan = classify(read_inputs(spark, bootstrap, spec, ends), spec, as_of=as_of).join(fallback, "grp", "left_semi")
+        rescan = classify(read_inputs(spark, bootstrap, spec, pinned), spec, as_of=as_of).join(fallback, "grp", "left_semi")
         folded = _fold_groups(spec, rescan, specials, as_of)
 
     # Two branches read the chains (merged by Spark, by the core): persist them so the aggregation
@@ -720,14 +734,14 @@ def write_snapshot(spark: SparkSession, bootstrap: str, spec: SowTopic, as_of: i
     """
     from pyspark.sql import Observation
 
-    ends = input_offsets(bootstrap, spec)
+    pinned = pin_inputs(bootstrap, spec)
     seen = Observation("ksow-specials")
-    df = snapshot(spark, bootstrap, spec, as_of, filter, ends, specials=[], observation=seen)
+    df = snapshot(spark, bootstrap, spec, as_of, filter, pinned, specials=[], observation=seen)
     df.write.mode("overwrite").parquet(path)
     release(df)
     if not seen.get.get("specials"):
         return 1
-    df = snapshot(spark, bootstrap, spec, as_of, filter, ends)
+    df = snapshot(spark, bootstrap, spec, as_of, filter, pinned)
     df.write.mode("overwrite").parquet(path)
     release(df)
     return 2
