@@ -531,6 +531,28 @@ def test_stateful_processor_with_tws_tester():
     assert [dict((h["key"], h["value"]) for h in r["headers"])["sow-op"] for r in out if r["topic"] == "orders.sow"] == [b"insert", b"delete"]
 
 
+def test_the_streaming_processor_judges_an_input_at_its_sort_time_as_the_worker_does():
+    """Record 2 lives until 3000. A delta on it stamped 2500 comes after an input stamped 4000 in its
+    input partition, so it sorts at 4000: the record has expired by then, and the delta starts a new
+    record (test_fold_order has the fold and the worker do the same). Judged at its own timestamp,
+    the delta would merge into the live record."""
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from processor.runners.spark.stream import make_processor
+
+    spec = SowTopic(timestamps="publisher", topic="late", key=["/id"], expiration="enabled", partitions=1)
+    tester = TwsTester(make_processor(spec)(), timeMode="ProcessingTime", outputMode="Update")
+    tester.setProcessingTime(5_000)
+    out = tester.test("0", [
+        _row(spec, 2_000, {"id": 2, "x": 1}, headers=[("sow-expiration", b"1s")], offset=0),
+        _row(spec, 4_000, {"id": 3}, offset=1),
+        _row(spec, 2_500, {"id": 2, "y": 1}, headers=[("sow-command", b"delta_publish")], offset=2),
+    ])
+    told = [(r["topic"], dict((h["key"], h["value"]) for h in r["headers"])["sow-op"], orjson.loads(r["value"] or b"null")) for r in out]
+    assert ("EXP.late", b"expire", {"id": 2, "x": 1}) in told
+    assert told[-2:] == [("late.sow", b"insert", {"id": 2, "y": 1}), ("late.diff", b"insert", {"id": 2, "y": 1})]
+
+
 def _read_all(bootstrap: str, topic: str, partitions: int) -> list:
     from confluent_kafka import TopicPartition
 

@@ -199,20 +199,21 @@ def make_processor(spec: SowTopic, views=(), base: Path | None = None):
         def handleInputRows(self, key, rows_in, timerValues) -> Iterator[Any]:
             (gkey,) = key
             now = timerValues.getCurrentProcessingTimeInMs()
-            # As a worker merges its inputs: a partition's timestamps that go backwards keep their offsets' order.
-            ordered = [e[4] for e in in_partition_time_order((r["ts"] or 0, r["rank"], r["partition"], r["offset"], r) for r in rows_in)]
+            # As a worker merges its inputs: a partition's timestamps that go backwards keep their
+            # offsets' order, and each input is judged at its sort time (what expired before it came).
+            ordered = in_partition_time_order((r["ts"] or 0, r["rank"], r["partition"], r["offset"], r) for r in rows_in)
             out: list[Output] = []
             if gkey == ERRORS_GROUP:
-                for row in ordered:
+                for *_, row in ordered:
                     out.append(rejected(message(row), row["reason"], self.engine.streams))
                 return rows(out)
             p = int(gkey)
             partition = self.engine.attach(p, self.state)
-            for row in ordered:
+            for sort, *_, row in ordered:
                 msg = message(row)
                 try:
                     cmd, _ = self.engine.parse(msg)
-                    partition.apply(cmd, msg.timestamp or now, now, out)
+                    partition.apply(cmd, msg.timestamp or now, now, out, sort or None)
                 except InputError as exc:  # refused by the partition (capacity_policy: reject)
                     out.append(rejected(msg, str(exc), self.engine.streams))
             return rows(out)
