@@ -199,23 +199,28 @@ def test_a_resume_tells_records_that_expired_unswept_as_expired(kafka_bootstrap,
     """Audit: records past their instant that no worker had expired yet (here: none runs) were
     left out of a resume's state without a word: one changed after the bookmark came as op "sow",
     one the subscriber held from before it was never told gone, and the worker's expire tombstone
-    later found nothing to tell. Each now comes as an expire; a live record as "sow"."""
+    later found nothing to tell. Each now comes as an expire; a live record as "sow".
+
+    The lifetimes leave the worker 10 s to show all four records alive before it is killed (with
+    3 s, a loaded CI machine let records 1 and 2 expire first)."""
     topic = unique_name
     w, client = start(kafka_bootstrap, tmp_path, topic, expiration="enabled")
     try:
         client.publish(topic, {"id": 0, "v": 0})  # never expires
         for i in (1, 2):
-            client.publish(topic, {"id": i, "v": 0}, expiration="3s")
+            client.publish(topic, {"id": i, "v": 0}, expiration="10s")
         client.flush()
         wait_until(lambda: ids(client, topic) == [0, 1, 2])
         bookmark = list(client.subscribe(topic, sow=True, timeout=1))[-1]["bookmark"]
-        client.publish(topic, {"id": 3, "v": 0}, expiration="3s")
+        client.publish(topic, {"id": 3, "v": 0}, expiration="10s")
+        client.flush()
+        all_due = time.time() + 10.5  # record 3 reached Kafka before this
         client.publish(topic, {"id": 0, "v": 1})
         client.flush()
         wait_until(lambda: ids(client, topic) == [0, 1, 2, 3])
     finally:
         w.kill()  # nothing sweeps from here
-    time.sleep(3.5)
+    time.sleep(max(0.0, all_due - time.time()))
     events = list(client.subscribe(topic, after=bookmark, timeout=1))
     key_of = {client.spec(topic).key_spec.sow_key({"id": i}): i for i in range(4)}
     got = sorted((key_of[e["sow_key"]], e["op"], e["record"]) for e in events)
