@@ -42,15 +42,16 @@ import re
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+import orjson
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from processor.core.paths import MISSING, get_path, split_path, within
 from processor.core.regex import Regex, RegexError
 
-__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "spelled_number", "MATCH_ALL"]
+__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "distinct_keys", "spelled_number", "MATCH_ALL"]
 
 
 class FilterError(ValueError):
@@ -783,19 +784,19 @@ class Filter:
         """True only when the filter is TRUE for the record (FALSE and UNKNOWN do not match)."""
         return self._fn(record) is True
 
-    def equality_terms(self) -> dict[str, frozenset] | None:
+    def equality_terms(self) -> dict[str, tuple] | None:
         """{path: values} from top-level AND terms `path = literal` / `path IN (...)`, for indexes.
 
         A record can match only if, for every path, its value equals one of the values; the
         caller narrows candidates with that and still applies matches(). Because AMPS compares
         across types ('10' = 10), a string literal that spells a number or boolean also adds that
-        number/boolean; index records under index_keys(value) so these lookups find them all. An
-        empty set means nothing can match. None when the filter is not such a conjunction (an
+        number/boolean; index records under index_keys(value) so these lookups find them all (the
+        values are `distinct_keys`). No values means nothing can match. None when the filter is not such a conjunction (an
         OR or NOT on top, or no equality term at all); {} for a constant TRUE filter like 1=1.
         """
         node = self._ast
         items = node.items if isinstance(node, And) else (node,)
-        terms: dict[str, frozenset] = {}
+        terms: dict[str, tuple] = {}
         for item in items:
             term = _equality_term(item)
             if term is not None:
@@ -828,16 +829,23 @@ class Filter:
         return compile_filter, (self.text,)
 
 
-def _equality_term(node: Any) -> tuple[str, frozenset] | None:
+def _equality_term(node: Any) -> tuple[str, tuple] | None:
     if isinstance(node, Compare) and node.op == "=":
         left, right = node.left, node.right
         if isinstance(left, Lit):
             left, right = right, left
         if isinstance(left, Path) and isinstance(right, Lit):
-            return left.path, frozenset(index_keys(right.value))
+            return left.path, distinct_keys(index_keys(right.value))
     if isinstance(node, In) and not node.negated and isinstance(node.operand, Path):
-        return node.operand.path, frozenset(k for v in node.values for k in index_keys(v))
+        return node.operand.path, distinct_keys(k for v in node.values for k in index_keys(v))
     return None
+
+
+def distinct_keys(keys: Iterable) -> tuple:
+    """Index keys without repeats, told apart as an index hashes them (their JSON): a Python set
+    takes True for 1, False for 0 and 2.0**60 for 2**60, and would keep one key of each pair, so
+    the records keyed by the other would be missed."""
+    return tuple({orjson.dumps(k): k for k in keys}.values())
 
 
 def index_keys(value: Any) -> list:

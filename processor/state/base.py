@@ -35,7 +35,7 @@ from typing import Iterator, Protocol
 import orjson
 
 from processor.contract.types import SowRecord
-from processor.core.filters import index_keys
+from processor.core.filters import distinct_keys, index_keys
 from processor.core.paths import get_path, split_path
 
 _REC = b"r"
@@ -51,6 +51,11 @@ _INT = struct.Struct(">q")
 _NO_EXPIRY = -1
 _END = b"\xff" * 9
 _KEY_FORMAT = "keyformat"
+_INDEXES = "indexes"  # which hash indexes, keyed which way, the `i` entries were written for
+# How values become hash index keys. 2: keys told apart as hashed (`distinct_keys`), where 1 kept one
+# of True and 1, False and 0, 2**60 and 2.0**60 in a record's entries.
+INDEX_FORMAT = 2
+_REINDEX_CHUNK = 10_000  # records re-indexed a write
 _ABSENT = object()  # not in a cache (None there means: no such record)
 
 
@@ -218,6 +223,32 @@ class PartitionStore:
     def __post_init__(self) -> None:
         if self.indexes.track_age:
             self._reindex_age()
+        self._reindex_hash()
+
+    def _index_signature(self) -> int:
+        text = orjson.dumps([INDEX_FORMAT, self.indexes.hash_indexes])
+        return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+    def _reindex_hash(self) -> None:
+        """Rebuild the hash indexes when they were written for other indexes (the topology's
+        `hash_indexes` changed) or another INDEX_FORMAT: a record without its entries would be
+        hidden from the equality queries and deletes that use them. Done once, at open; a crash
+        meanwhile leaves the signature unwritten, so the next open does it again."""
+        signature = self._index_signature()
+        if self.meta(_INDEXES) == signature:
+            return
+        batch = self.backend.batch()
+        for k, _ in self.backend.scan(_IDX, _IDX + _END):
+            batch.delete(k)
+        if self.indexes.hash_indexes:
+            for n, (key, record) in enumerate(self.records(), 1):
+                for entry in self._hash_entries(key.encode(), record):
+                    batch.put(entry, b"")
+                if n % _REINDEX_CHUNK == 0:
+                    self.backend.write(batch)
+                    batch = self.backend.batch()
+        batch.put(_META + _INDEXES.encode(), _INT.pack(signature))
+        self.backend.write(batch)
 
     def _reindex_age(self) -> None:
         """Move an age index keyed by update instant (stores of earlier releases) to event IDs: the
@@ -415,7 +446,7 @@ class PartitionStore:
     def lookup(self, index_no: int, values: tuple) -> Iterator[str]:
         """SowKeys whose fields of hash index `index_no` may equal `values` (committed state; the
         caller still applies the filter, as a key can be shared by values that differ)."""
-        for combo in itertools.product(*(index_keys(v) for v in values)):
+        for combo in itertools.product(*(distinct_keys(index_keys(v)) for v in values)):
             prefix = _IDX + bytes([index_no]) + index_value_hash(combo)
             for k, _ in self.backend.scan(prefix, prefix + _END):
                 yield k[len(prefix) :].decode()
@@ -542,11 +573,14 @@ class PartitionStore:
         """The entries of the age and hash indexes (the expiry entry: `_expiry_entry`)."""
         if self.indexes.track_age:
             yield _AGE + _BE64.pack(record.seq) + kb
+        yield from self._hash_entries(kb, record)
+
+    def _hash_entries(self, kb: bytes, record: SowRecord) -> Iterator[bytes]:
         for no, paths in enumerate(self.indexes.split):
             # Every key a value can be matched by ('10' also as 10, arrays by element), so an
             # equality filter finds the record whatever type spells the value.
-            keys = [index_keys(get_path(record.data, p)) for p in paths]
-            for combo in set(itertools.product(*keys)):
+            keys = [distinct_keys(index_keys(get_path(record.data, p))) for p in paths]
+            for combo in itertools.product(*keys):  # distinct, as each field's keys are
                 yield _IDX + bytes([no]) + index_value_hash(combo) + kb
 
     def clear(self) -> None:
@@ -554,6 +588,7 @@ class PartitionStore:
         self.rollback()
         self._committed.clear()
         self.backend.clear()
+        self._reindex_hash()  # nothing to index: stamps the signature the replayed records are indexed under
 
     def close(self) -> None:
         self.backend.close()
