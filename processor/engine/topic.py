@@ -132,22 +132,24 @@ class SowTopicEngine:
         # last, once, in the transaction that commits this input.
         # The partition it was read from has applied nothing sent after it; another may have (this
         # worker took the delete's partition over from one that had not applied it): there, as for
-        # a fanned-out copy, what changed after the delete was sent is not the delete's to remove.
+        # a fanned-out copy, what changed after the delete's place in the order (its sort time, not
+        # its own stamp, which can be behind what its partition applied before it) is not the
+        # delete's to remove. The copies carry that place as their timestamp.
         owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
         for q in sorted(owners & partitions.keys()):
             if q == msg.partition:
                 partitions[q].apply(cmd, published, now, out, came)
             else:
-                partitions[q].delete(cmd, now, out, sent_at=published)
+                partitions[q].delete(cmd, now, out, sent_at=came)
         if cmd.keys:
             for key in cmd.keys:
                 owner = self._owner(key)
                 if owner not in partitions:
-                    out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode())))
+                    out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode()), came))
         else:
             for q in range(n):
                 if q not in partitions:
-                    out.append(self._reroute(msg, default, q, msg.key))
+                    out.append(self._reroute(msg, default, q, msg.key, None, came))
 
     def _owner(self, key: str) -> int:
         """The partition that owns a SowKey. murmur2 is pure Python (~3 us a call) and SowKeys
@@ -160,12 +162,15 @@ class SowTopicEngine:
             owner = owners[key] = owner_partition(key, self.spec.partitions)
         return owner
 
-    def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None) -> Output:
+    def _reroute(self, msg: InputMessage, default: Command, p: int, key: bytes | None, extra: tuple | None = None,
+                 timestamp: int | None = None) -> Output:
+        """The copy of an input for partition p's owner, stamped as the input (a lifetime counts
+        from it) or with `timestamp` (a delete's place in the order)."""
         headers = [(k, v) for k, v in (msg.headers or ()) if k not in H.INTERNAL and not (extra and k == H.KEYS)]
         headers += [(H.ORIGIN, default.value.encode()), _LOCAL, *source_headers(msg, self.streams)]
         if extra:
             headers.append(extra)
-        return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp)
+        return Output(self.spec.repartition_topic, p, key, msg.value, headers, timestamp=msg.timestamp if timestamp is None else timestamp)
 
     # timers ---------------------------------------------------------------------------
     def expire_due(self, p: int, now: int, out: list, limit: int | None = None, until: int | None = None) -> tuple[int, int]:

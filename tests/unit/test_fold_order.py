@@ -81,3 +81,32 @@ def test_the_worker_judges_what_expired_before_an_input_at_its_sort_time():
         results[sort] = ([orjson.loads(o.value) for o in out if o.topic == SPEC.expired_topic], record.data, record.expires_at)
     assert results[4000] == ([{"id": 2, "x": 1}], {"id": 2, "y": 1}, None)
     assert results[0] == ([], {"id": 2, "x": 1, "y": 1}, None)
+
+
+def test_a_delete_stamped_behind_its_place_removes_what_the_other_partitions_applied_before_it():
+    """Review: a delete by filter whose stamp (1500) is behind its partition's time (2500) sorts at
+    2500, after record X (stamped 2000 on the other partition). One worker owns both partitions and
+    applies X first, so the delete removes it, as the fold does; judged by the delete's own stamp,
+    X looked changed after the delete and stayed. Its copies for other workers carry the sort time."""
+    spec = parse_topology({"sow": [{"topic": "t", "key": ["/id"], "partitions": 2, "timestamps": "publisher"}]}).sow[0]
+    owned = {}
+    for i in range(1, 20):
+        owned.setdefault(owner_partition(spec.key_spec.sow_key({"id": i}), 2), i)
+    inputs = [
+        InputMessage("t", 1, 0, None, orjson.dumps({"id": owned[1]}), [], 2000),
+        InputMessage("t", 0, 0, None, orjson.dumps({"id": owned[0]}), [], 2500),
+        InputMessage("t", 0, 1, None, None, [(H.COMMAND, b"sow_delete"), (H.FILTER, b"1=1")], 1500),
+    ]
+    order = history(spec, inputs)
+    assert [(s, m.partition, m.offset) for s, m in order] == [(2000, 1, 0), (2500, 0, 0), (2500, 0, 1)]
+    fold = SowFold(spec)
+    for sort, m in order:
+        fold.apply(m, sort)
+    worker = LocalTopic(spec)
+    for sort, m in order:
+        worker.handle([dataclasses.replace(m, sort=sort)], now=3000)
+        worker.commit()
+    assert fold.records == {} and [k for p in (0, 1) for k, _ in worker.stores[p].records()] == []
+    alone = LocalTopic(spec)  # a worker that owns partition 0 only sends partition 1 a copy
+    copies = alone.handle([dataclasses.replace(order[-1][1], sort=2500)], now=3000)
+    assert [(c.topic, c.partition, c.timestamp) for c in copies] == [(spec.repartition_topic, 1, 2500)]
