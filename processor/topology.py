@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from processor.contract.errors import ConfigError
+from processor.core.codec import Codec, codec_for
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.expiry import ExpirationMode, ExpiryPolicy
 from processor.core.keys import KeySpec
@@ -168,6 +169,14 @@ class SowTopic(BaseModel):
         if not default:
             return ExpiryPolicy(ExpirationMode.ENABLED, None, lo, hi)
         return ExpiryPolicy(ExpirationMode.DEFAULT, default, lo, hi)
+
+    def codec(self, base: Path | None) -> Codec:
+        """The codec of this topic's records, a relative schema path read from `base` (`schema_base`);
+        ConfigError naming the topic and the field."""
+        try:
+            return codec_for(self.message_type.value, self.schema_, base)
+        except ConfigError as exc:
+            raise ConfigError(f"sow[{self.topic}].schema: {exc}") from None
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the operator meant (logged at start)."""
@@ -411,6 +420,12 @@ def topology_path(path: str | os.PathLike | None = None) -> Path:
     """The topology file a command reads: `path`, else $KSOW_TOPOLOGY, else the topology/default.yaml
     ksow ships with (not one in the working folder)."""
     return Path(path or os.environ.get("KSOW_TOPOLOGY") or DEFAULT_TOPOLOGY)
+
+
+def schema_base(path: str | os.PathLike | None = None) -> Path:
+    """The folder a topology's relative `schema:` paths start from, for every command: the parent of
+    the topology file's folder (`topology/x.yaml` names `schemas/x.avsc`), whatever the working folder."""
+    return topology_path(path).resolve().parent.parent
 
 
 def load_topology(path: str | os.PathLike | None = None) -> Topology:

@@ -13,7 +13,7 @@ import click
 import orjson
 
 from processor.cli.options import connection
-from processor.topology import TopologyError, load_topology
+from processor.topology import TopologyError, load_topology, schema_base
 
 
 
@@ -153,6 +153,17 @@ def _topology_for_worker(topology: str | None):
     return topo
 
 
+def _check_schemas(topology: str | None) -> None:
+    """Exit 1 when the topology cannot be read, or a SOW topic's Avro schema cannot."""
+    from processor.contract.errors import ConfigError
+
+    try:
+        for spec in load_topology(topology).sow:
+            spec.codec(schema_base(topology))
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
 def _loop_settings(guarantee: str | None, static: bool):
     """The worker loop's settings from the options and the environment (exit 1 on a bad one)."""
     from processor.contract.errors import ConfigError
@@ -168,7 +179,7 @@ def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | No
     from processor.runners.faust.worker import SowWorker
 
     topo = _topology_for_worker(topology)
-    topology_dir = Path(topology).resolve().parent.parent if topology else None
+    topology_dir = schema_base(topology)
     settings = _loop_settings(guarantee, static)
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
                      settings=settings, web=web)
@@ -177,7 +188,7 @@ def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | No
 WORKER_OPTIONS = [
     click.option("--group", envvar="KSOW_GROUP", default="ksow", show_default=True, help="Consumer group (and Faust app id) of the workers."),
     click.option("--data-dir", envvar="KSOW_DATA_DIR", default=None, help="Folder for this worker's RocksDB stores."),
-    click.option("--web-port", type=int, default=None, help="Port of this worker's HTTP endpoint (default: a free one)."),
+    click.option("--web-port", type=click.IntRange(0, 65535), default=None, help="Port of this worker's HTTP endpoint (default or 0: a free one)."),
     click.option("--web-host", envvar="KSOW_WEB_HOST", default=None, help="Host name clients use to reach this worker, and the address bound (default 127.0.0.1)."),
     click.option("--web-bind", envvar="KSOW_WEB_BIND", default=None, help="Address to listen on when it differs from --web-host (e.g. 0.0.0.0 in a container)."),
     click.option("--web-token", envvar="KSOW_WEB_TOKEN", default=None, help="Bearer token every HTTP request must carry."),
@@ -246,8 +257,13 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
             _fail("--workers is for the faust engine (Spark runs its own executors: --master)")
         _up_spark(bootstrap, topology, group, checkpoint_dir, master, trigger)
         return
-    load_topology(topology) if topology else None
+    _check_schemas(topology)  # a schema a worker could not read stops it (or the pool) before it connects
     web = _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key)
+    if web_port and workers > 1:  # worker i of a pool serves at web_port + i: each port is checked now
+        if web_port + workers - 1 > 65535:
+            _fail(f"--web-port {web_port} with --workers {workers} needs ports up to {web_port + workers - 1}, past 65535")
+        for i in range(1, workers):
+            _web_settings(web_port + i, web_host, web_bind, web_token, web_cert, web_key)
     _loop_settings(guarantee, static)  # what a worker would refuse stops it (or the pool) before it connects
     if workers > 1:
         from processor.runners.faust.worker import default_data_dir
@@ -359,7 +375,7 @@ def _up_spark(bootstrap: str | None, topology: str | None, group: str, checkpoin
     signal.signal(signal.SIGTERM, stop)
     with _bootstrap_or_embedded(bootstrap) as address:
         try:
-            topology_dir = Path(topology).resolve().parent.parent if topology else None  # as for the Faust worker
+            topology_dir = schema_base(topology)  # as for the Faust worker
             _, queries = run_stream(address, topo, checkpoints, master=master, trigger=trigger, block=False, topology_dir=topology_dir)
         except KeyboardInterrupt:
             return
@@ -416,6 +432,8 @@ def publish(bootstrap, topology, topic, record, delta, expiration, sow_key) -> N
             else:
                 text = text.strip()
                 if not text:
+                    if not from_stdin:
+                        _fail("the record is empty: give it as JSON, or '-' to read JSON lines from stdin")
                     continue
                 try:
                     key = client.publish(topic, text, delta=delta, expiration=expiration, sow_key=sow_key)
@@ -451,7 +469,7 @@ def _sent_before(client, count: int) -> str:
 @click.option("--data", default=None, help="Delete the record this JSON would have updated.")
 @GROUP
 @WEB_TOKEN
-@click.option("--wait", type=float, default=30.0, show_default=True, help="Seconds to wait for the workers to report the deletes (0: just send).")
+@click.option("--wait", type=click.FloatRange(min=0), default=30.0, show_default=True, help="Seconds to wait for the workers to report the deletes (0: just send).")
 def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wait) -> None:
     """sow_delete by filter, by SowKeys or by data; prints how many records were deleted."""
     client = _client(bootstrap, topology, group, web_token)
@@ -500,8 +518,7 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
 @click.option("--after", "--after-seq", "after_seq", default=None,
               help="Resume after this bookmark (the \"bookmark\" of the last event taken: an event ID per partition) instead of starting with the SOW.")
-@GROUP
-def subscribe(bootstrap, topology, group, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
+def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
     if no_empties and not delta:
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")

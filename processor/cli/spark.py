@@ -50,6 +50,9 @@ def _spec(topo, topic: str):
     from processor.batch.snapshot import SnapshotError, check_batch_topic
     from processor.topology import TopologyError
 
+    view = topo.view(topic)
+    if view is not None:
+        raise click.ClickException(f"{topic!r} is a view of the SOW topic {view.topic!r}: the Spark commands rebuild SOW topics, give {view.topic!r}")
     try:
         spec = topo.topic(topic)
         check_batch_topic(spec)
@@ -64,7 +67,7 @@ def _instant(text: str, option: str) -> int:
     try:
         return parse_instant(text)
     except SnapshotError as exc:
-        raise click.BadParameter(str(exc), param_hint=option) from None
+        raise click.ClickException(f"{option}: {exc}") from None
 
 
 def _json_default(value):
@@ -97,7 +100,7 @@ def snapshot(bootstrap, topology, master, topic, as_of, filter_, out) -> None:
         try:
             compile_filter(filter_)
         except FilterError as exc:
-            raise click.BadParameter(str(exc), param_hint="--filter") from None
+            raise click.ClickException(f"--filter: {exc}") from None
     resolved, topo, spark = _setup(bootstrap, topology, master, "ksow-snapshot")
     spec = _spec(topo, topic)
     try:

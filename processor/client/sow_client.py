@@ -29,14 +29,14 @@ from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
-from processor.core.codec import Codec, check_integers, check_nesting, codec_for
+from processor.core.codec import Codec, check_integers, check_nesting
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import answered_metadata, end_offsets, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
-from processor.topology import DEFAULT_TOPOLOGY, Persistence, SowTopic, Topology, load_topology, topology_path
+from processor.topology import Persistence, SowTopic, Topology, load_topology, schema_base, topology_path
 
 
 log = logging.getLogger("ksow.client")
@@ -69,9 +69,8 @@ class Client:
         self.bootstrap = resolved
         self.topology_file = None if isinstance(topology, Topology) else topology_path(topology)  # named in errors
         self.topology = topology if isinstance(topology, Topology) else load_topology(self.topology_file)
-        base = DEFAULT_TOPOLOGY.parent.parent if not isinstance(topology, str) else None
         self._codecs: dict[str, Codec] = {}
-        self._base = base
+        self._schemas = schema_base(self.topology_file)  # relative schema paths, as the workers read them
         self._producer = None
         self.group = group or os.environ.get("KSOW_GROUP") or "ksow"
         self.web_token = web_token or os.environ.get("KSOW_WEB_TOKEN") or None  # sent to workers as a bearer token
@@ -102,7 +101,7 @@ class Client:
 
     def codec(self, spec: SowTopic) -> Codec:
         if spec.topic not in self._codecs:
-            self._codecs[spec.topic] = codec_for(spec.message_type.value, spec.schema_, self._base)
+            self._codecs[spec.topic] = spec.codec(self._schemas)
         return self._codecs[spec.topic]
 
     @property

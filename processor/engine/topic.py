@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Iterable
 
 from processor.contract import headers as H
-from processor.contract.errors import BatchAborted, ConfigError, InputError
+from processor.contract.errors import BatchAborted, InputError
 from processor.contract.types import Command, InputMessage, Output, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import parse_sow_message
-from processor.core.codec import Codec, codec_for
+from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
@@ -39,10 +39,7 @@ class SowTopicEngine:
 
     def __init__(self, spec: SowTopic, topology_dir: Path | None = None, views: Iterable[View] = ()):
         self.spec = spec
-        try:
-            self.codec: Codec = codec_for(spec.message_type.value, spec.schema_, topology_dir)
-        except ConfigError as exc:  # named as a topology error is: the topic and the field
-            raise ConfigError(f"sow[{spec.topic}].schema: {exc}") from None
+        self.codec: Codec = spec.codec(topology_dir)
         self.views: list[ViewProcessor] = views_of(spec, views)
         self.streams = Streams.of(spec)
         self.partitions: dict[int, SowPartition] = {}

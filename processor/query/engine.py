@@ -35,9 +35,14 @@ class SowQuery:
     PARAMS = ("filter", "keys", "select", "top", "order_by")  # the names of a request's parameters
 
     def __post_init__(self) -> None:
-        """A bad top or order_by is the caller's error, before any worker is asked."""
+        """A bad top, select path or order_by is the caller's error, before any worker is asked."""
         if self.top is not None and self.top < 0:
             raise QueryError(f"top must not be negative, got {self.top}")
+        for path in self.select:
+            try:
+                split_path(path)
+            except PathError as exc:
+                raise QueryError(f"select: {exc}") from None
         self.ordering  # noqa: B018 - parses order_by
 
     @classmethod

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from processor.cli.commands import main
 from processor.contract.errors import ConfigError
 from processor.engine.topic import SowTopicEngine
-from processor.topology import load_topology
+from processor.topology import load_topology, schema_base
 
 NOWHERE = ["--bootstrap", "127.0.0.1:1"]  # nothing may be sent, so nothing needs to listen
 
@@ -188,3 +188,41 @@ def test_without_a_bootstrap_only_plaintext_settings_start_the_embedded_broker(r
     clean_kafka_env.setenv("KAFKA_SECURITY_PROTOCOL", "PLAINTEXT")
     result = run("up", "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
     assert isinstance(result.exception, Started)
+
+
+def test_bad_option_values_are_one_clear_error_before_anything_starts(run):
+    """Review: an empty record was "published 0 record(s)" with status 0; a --web-port past 65535
+    ended in Faust's traceback, and a pool's last ports were found out of range by its workers, which
+    the pool restarted; a negative --wait was taken; --select was checked by the workers only."""
+    result = run("publish", "orders", *NOWHERE, "  ")
+    assert result.exit_code == 1 and "the record is empty" in result.output
+    result = run("up", *NOWHERE, "--web-port", "99999")
+    assert result.exit_code == 2 and "99999 is not in the range 0<=x<=65535" in result.output
+    result = run("up", *NOWHERE, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created", "--web-port", "65534", "--workers", "3")
+    assert result.exit_code == 1 and "needs ports up to 65536, past 65535" in result.output and "worker 0 started" not in result.output
+    result = run("delete", "orders", *NOWHERE, "--wait", "-1", "--data", '{"order_id": 1}')
+    assert result.exit_code == 2 and "--wait" in result.output
+    result = run("query", "orders", *NOWHERE, "--select", "qty")
+    assert result.exit_code == 1 and "select: field path must look like /field" in result.output
+
+
+def test_relative_avro_schemas_are_read_from_the_topology_folders_parent_by_every_command(run, tmp_path, monkeypatch):
+    """Review: `ksow up` read `schemas/a.avsc` of `proj/topology/av.yaml` from `proj/`, the client
+    commands from the working folder; and a schema it could not read made `ksow up` exit with the
+    status of an unreachable cluster (3), which a pool restarts."""
+    from processor.client.sow_client import Client
+
+    project = tmp_path / "proj"
+    (project / "topology").mkdir(parents=True)
+    (project / "schemas").mkdir()
+    (project / "schemas" / "a.avsc").write_text('{"type": "record", "name": "A", "fields": [{"name": "id", "type": "long"}]}')
+    topology = project / "topology" / "av.yaml"
+    topology.write_text(yaml.safe_dump({"sow": [{"topic": "av", "key": ["/id"], "message_type": "avro", "schema": "schemas/a.avsc"}]}))
+    monkeypatch.chdir(tmp_path)  # not the project's folder: `schemas/a.avsc` is not here
+    named = "proj/topology/av.yaml"
+    client = Client("127.0.0.1:1", named)
+    worker = SowTopicEngine(client.spec("av"), schema_base(named))  # as `ksow up --topology` makes it
+    assert worker.codec.decode(client.codec(client.spec("av")).encode({"id": 7})) == {"id": 7}
+    (project / "schemas" / "a.avsc").unlink()
+    result = run("up", *NOWHERE, "--topology", named, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
+    assert result.exit_code == 1 and "sow[av].schema: cannot read the Avro schema" in result.output
