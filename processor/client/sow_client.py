@@ -34,7 +34,7 @@ from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.subscription import SubscriptionSpec, conflate_event
-from processor.kafka.clients import answered_metadata, end_offsets, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
+from processor.kafka.clients import answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
 from processor.topology import Persistence, SowTopic, Topology, load_topology, schema_base, topology_path
 
@@ -283,7 +283,7 @@ class Client:
         """One `.sow` message as a change, or None (logged, counted in `skipped`) when malformed:
         anything may write to the topic, and one bad record must not stop a read of the SOW."""
         try:
-            return parse_sow_message(codec, msg.key(), msg.value(), msg.headers())
+            return parse_sow_message(codec, msg.key(), msg.value(), message_headers(msg))
         except MalformedSowMessage as exc:
             self.skipped += 1
             log.warning("skipped malformed record %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)

@@ -50,6 +50,18 @@ class SowCommand:
     filter: str | None = None  # sow-filter of a delete by filter
     whole: dict | None = None  # an Avro delta as read, nulls for the fields not sent: what it stores when no record is there (as `.sow` carries it)
 
+class UnreadableHeaders(list):
+    """The headers of a consumed message that the Kafka client could not read (a header name that is
+    not UTF-8 text: confluent-kafka fails decoding it). None of them is known, so the message is
+    refused with `REASON` (an input goes to `.errors`, a `.sow` record is skipped), never applied
+    as if it had none. Empty, but true, so that every reader looks at it."""
+
+    REASON = "a header name is not UTF-8 text: the message's headers cannot be read"
+
+    def __bool__(self) -> bool:
+        return True
+
+
 @dataclass(slots=True)
 class InputMessage:
     """One message of an input topic, whichever engine read it."""

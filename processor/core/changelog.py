@@ -13,7 +13,7 @@ from typing import Iterable
 
 from processor.contract import headers as H
 from processor.contract.errors import InputError
-from processor.contract.types import Op
+from processor.contract.types import Op, UnreadableHeaders
 from processor.core.codec import Codec
 
 _INT64 = range(-(2**63), 2**63)
@@ -40,6 +40,8 @@ def parse_sow_message(codec: Codec, key: bytes | None, value: bytes | None, head
         sow_key = key.decode()
     except UnicodeDecodeError:
         raise MalformedSowMessage("key is not UTF-8") from None
+    if type(headers) is UnreadableHeaders:
+        raise MalformedSowMessage(UnreadableHeaders.REASON)
     found = {name: raw for name, raw in headers or () if name in (H.OP, H.SEQ, H.EXPIRES_AT)}
     op_text = _text(found, H.OP)
     if op_text is None:

@@ -7,7 +7,7 @@ from typing import Iterable
 from processor.contract import headers as H
 from processor.contract.errors import InputError
 from processor.contract.limits import max_delete_keys
-from processor.contract.types import Command, SowCommand
+from processor.contract.types import Command, SowCommand, UnreadableHeaders
 from processor.core.codec import Codec
 from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.filters import FilterError, compile_filter
@@ -20,6 +20,8 @@ def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dic
     """Input headers as text; later duplicates win. Undecodable ksow headers are input errors."""
     if not headers:
         return {}
+    if type(headers) is UnreadableHeaders:
+        raise InputError(UnreadableHeaders.REASON)
     items = headers.items() if isinstance(headers, dict) else headers
     out: dict[str, str] = {}
     for name, raw in items:

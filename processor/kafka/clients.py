@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from typing import Callable, Iterator
@@ -11,6 +12,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from processor.contract.errors import ConfigError
+from processor.contract.types import UnreadableHeaders
 from processor.contract.limits import MAX_FUTURE_STAMP_MS, read_idle_timeout
 from processor.kafka.config import kafka_config
 from processor.topology import SowTopic
@@ -104,6 +106,22 @@ def reach(bootstrap: str, timeout: float) -> None:
                                    "and are --bootstrap (KAFKA_BOOTSTRAP) and the client settings right?)", cause)
 
     answered_metadata(AdminClient(_client_config(bootstrap, {}, {"error_cb": seen.append, "log_level": 0})), None, timeout, unanswered)
+
+
+_READ_HEADERS = operator.methodcaller("headers")
+
+
+def message_headers(msg) -> list | None:
+    """A consumed message's headers, or UnreadableHeaders when a header name is not UTF-8 text: one
+    such message must not stop a reader. confluent-kafka then returns a list with a hole in it and
+    the decode error set. Called as `msg.headers()`, Python 3.11's specialised call (once the call
+    site is hot) does not look for that error, and the hole crashes the process when read; through
+    `methodcaller` the call is checked, and raises SystemError. Ask each message once: confluent-kafka
+    keeps the broken list and returns it, with no error, to a second call."""
+    try:
+        return _READ_HEADERS(msg)
+    except (UnicodeDecodeError, SystemError):
+        return UnreadableHeaders()
 
 
 def make_producer(bootstrap: str, **overrides) -> Producer:

@@ -126,6 +126,69 @@ def test_a_lifetime_past_100_years_lands_on_errors_and_the_worker_goes_on(kafka_
         worker.kill()
 
 
+_RAW_HEADER_NAME = """
+import asyncio, os, sys
+from aiokafka import AIOKafkaProducer
+
+class Raw(str):  # a header name whose bytes are not UTF-8 (aiokafka's pure-Python writer encodes it)
+    def __new__(cls, raw):
+        name = super().__new__(cls, "x")
+        name.raw = raw
+        return name
+
+    def encode(self, *args, **kwargs):
+        return self.raw
+
+async def main(bootstrap, topic, partition, key, value):
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value.encode(), key=key.encode(), partition=int(partition), headers=[(Raw(b"\\xff\\xfe-bad"), b"v")])
+    finally:
+        await producer.stop()
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def _send_with_a_raw_header_name(bootstrap: str, topic: str, partition: int, key: bytes, value: dict) -> None:
+    """Send one message whose header name is the bytes FF FE (not UTF-8): a Kafka header name is
+    bytes on the wire, and clients in other languages may write any."""
+    done = subprocess.run([sys.executable, "-c", _RAW_HEADER_NAME, bootstrap, topic, str(partition), key.decode(), orjson.dumps(value).decode()],
+                          capture_output=True, timeout=120, env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_header_name_that_is_not_utf8_lands_on_errors_and_the_worker_goes_on(kafka_bootstrap, unique_name, tmp_path, own_registry):
+    """Review: confluent-kafka cannot read the headers of a message with such a name (headers()
+    raises), and the worker died on it, as did every worker that took its partition over. On
+    `.sow`, such a record is skipped by a restore and by the client's reads, as other garbage is."""
+    worker, client = _start(kafka_bootstrap, tmp_path, unique_name)
+    try:
+        _send_with_a_raw_header_name(kafka_bootstrap, unique_name, 0, b"h", {"id": 1, "v": "hostile"})
+        for i in range(2, 6):
+            client.publish(unique_name, {"id": i, "v": "good"})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 4, timeout=60)
+        errors = wait_until(lambda: read_all(kafka_bootstrap, f"{unique_name}.errors", 2), timeout=30)
+        assert [orjson.loads(m.value()) for m in errors] == [{"id": 1, "v": "hostile"}]
+        assert "a header name is not UTF-8 text" in headers_of(errors[0])["sow-error"]
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+    # Read with its headers, the junk would be a fifth record (no sow-op: an update).
+    _send_with_a_raw_header_name(kafka_bootstrap, f"{unique_name}.sow", 0, b"junk", {"id": 9})
+    path = tmp_path / f"{unique_name}.yaml"
+    after = Worker(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d2").start()  # restores from `.sow`
+    try:
+        wait_until(lambda: len(client.query(unique_name)) == 4 and client.last_query_source == "workers", timeout=60)
+        assert after.proc.poll() is None
+    finally:
+        after.kill()
+    reader = Client(kafka_bootstrap, load_topology(path), f"nobody-{unique_name}")
+    assert len(reader.query(unique_name)) == 4 and reader.last_query_source == "changelog" and reader.skipped == 1
+
+
 def test_a_huge_publisher_sow_key_lands_on_errors_and_the_worker_goes_on(kafka_bootstrap, unique_name, tmp_path, own_registry):
     """Audit: one input with a 600,000-character sow-key header stalled its worker for good (the
     broker refused the outputs that carried the key twice, and the batch was aborted and read

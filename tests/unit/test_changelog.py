@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from processor.contract.errors import InputError
-from processor.contract.types import Op
+from processor.contract.types import Op, UnreadableHeaders
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import JsonCodec
 
@@ -51,3 +51,8 @@ def test_any_bytes_parse_or_are_malformed(key, value, headers):
     except MalformedSowMessage:
         return
     assert parsed.key == key.decode() and (parsed.record is None) == (value is None)
+
+
+def test_a_sow_record_whose_headers_cannot_be_read_is_malformed():
+    with pytest.raises(MalformedSowMessage, match="a header name is not UTF-8 text"):
+        parse_sow_message(JsonCodec(), b"k", b'{"id": 1}', UnreadableHeaders())

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from processor.contract.errors import ConfigError, InputError
 from processor.contract.limits import MAX_DELETE_KEYS, check_environment
-from processor.contract.types import Command
+from processor.contract.types import Command, UnreadableHeaders
 from processor.core.codec import JsonCodec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import KeySpec
@@ -106,3 +106,9 @@ def test_an_integer_json_cannot_keep_exactly_is_an_error_not_a_float(value):
 def test_integers_in_range_and_digit_strings_are_kept_exactly(n, digits):
     cmd = parse(orjson.dumps({"id": n, "s": digits}))
     assert cmd.data == {"id": n, "s": digits} and type(cmd.data["id"]) is int
+
+
+def test_headers_the_kafka_client_could_not_read_refuse_the_input():
+    """Such a message is refused with the reason, never applied as if it carried no header."""
+    with pytest.raises(InputError, match="a header name is not UTF-8 text"):
+        header_map(UnreadableHeaders())

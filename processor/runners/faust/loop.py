@@ -53,7 +53,7 @@ from processor.contract.types import InputMessage, Output
 from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import end_offsets, make_admin, make_consumer, make_producer, read_until, topic_incarnation
+from processor.kafka.clients import end_offsets, message_headers, make_admin, make_consumer, make_producer, read_until, topic_incarnation
 from processor.runners.faust import metrics
 from processor.state.base import PartitionStore, open_partition_store
 from processor.state.keyformat import check_key_format
@@ -773,7 +773,7 @@ class SowLoop:
             # An input is judged at its sort time (what expired before it is gone for it), but a
             # rerouted one at its own timestamp: `.repartition` interleaves the inputs of several
             # source partitions, so its partition time says nothing of when this one came.
-            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), msg.headers(), ts, top if rank < 2 else 0)))
+            queue.append((top, rank, p, offset, InputMessage(topic, p, offset, msg.key(), msg.value(), message_headers(msg), ts, top if rank < 2 else 0)))
         if self.settings.order_grace_ms:
             tops: dict[str, int] = {}
             for task in self.tasks.values():
@@ -1304,7 +1304,7 @@ class SowLoop:
                 consumer.assign([TopicPartition(topic, task.p, position)])
                 for msg in read_until(consumer, {(topic, task.p): high}):
                     try:
-                        task.engine.restore(task.p, store, msg.key(), msg.value(), msg.headers(), msg.timestamp()[1])
+                        task.engine.restore(task.p, store, msg.key(), msg.value(), message_headers(msg), msg.timestamp()[1])
                     except MalformedSowMessage as exc:  # written by anything else: it must not stop restore
                         log.warning("skipped %s[%d]@%d: not a SOW record (%s)", topic, task.p, msg.offset(), exc)
                         metrics.CHANGELOG_SKIPPED.inc()
