@@ -22,8 +22,8 @@ DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of t
 QUERY_THREADS = 2  # HTTP queries a worker runs at once (threads beside its loop); the others wait
 DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing one partition's records
 # How far ahead of the clock a publisher's timestamp may be: input topics ksow creates with publisher
-# stamps refuse later ones (message.timestamp.after.max.ms), and a worker sorts one as the clock plus
-# this. A partition sorts by its largest stamp so far, so one stamp an hour ahead would otherwise put
+# stamps refuse later ones (message.timestamp.after.max.ms), and a worker takes one (on any input) as
+# the clock plus this. A partition sorts by its largest stamp so far, so one stamp an hour ahead would otherwise put
 # every later input of its partition after an hour of the other inputs (README "Ordering").
 MAX_FUTURE_STAMP_MS = 10_000
 

@@ -717,7 +717,7 @@ class SowLoop:
         an input as caught up)."""
         task_of = self._task_of_input
         mono = time.monotonic()
-        ceiling = time.time_ns() // 1_000_000 + MAX_FUTURE_STAMP_MS  # a publisher's stamp past it sorts as it
+        ceiling = time.time_ns() // 1_000_000 + MAX_FUTURE_STAMP_MS  # a publisher's stamp past it counts as it
         run_topic, run_p, skip = None, -1, True
         for msg in messages:
             err = msg.error()
@@ -762,13 +762,14 @@ class SowLoop:
                 task.at_end[rank] = False
                 if kind != _LOG_APPEND_TIME and rank < 2:  # `.repartition` (rank 2) carries its input's own stamp
                     self._publisher_stamped.add(task.engine.spec.topic)
-            sort = ts
-            if kind != _LOG_APPEND_TIME:
-                if ts > ceiling:
-                    sort = ceiling
+            if ts > ceiling and kind != _LOG_APPEND_TIME:
+                # A stamp past the clock (a topic without the broker's bound on them, such as one
+                # created outside ksow, or anything written to `.repartition`) counts as the clock
+                # plus the bound: for the order, a lifetime and what a later delete may remove.
+                ts = ceiling
             top = tops[rank]
-            if sort > top:
-                tops[rank] = top = sort
+            if ts > top:
+                tops[rank] = top = ts
             fetched[rank] = offset + 1
             # An input is judged at its sort time (what expired before it is gone for it), but a
             # rerouted one at its own timestamp: `.repartition` interleaves the inputs of several
