@@ -49,7 +49,7 @@ from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from processor.core.paths import MISSING, get_path, split_path, within
-from processor.core.regex import Regex, RegexError
+from processor.core.regex import RegexError, regex
 
 __all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "distinct_keys", "spelled_number", "MATCH_ALL"]
 
@@ -259,6 +259,8 @@ class _Build(Transformer):
     def __init__(self, text: str):
         super().__init__()
         self._text = text
+        self._patterns: set[str] = set()  # the filter's LIKE patterns so far, and their RE2 instructions
+        self._program = 0  # (MAX_FILTER_PROGRAM; a pattern repeated is compiled once)
 
     def start(self, items):
         return items[0]
@@ -280,12 +282,18 @@ class _Build(Transformer):
         token = items[-1]
         pattern = _unquote(token)
         try:
-            Regex(pattern)
+            compiled = regex(pattern)
         except RegexError as exc:
             # Position in the filter text: each quote before it was written doubled.
             at = exc.position + pattern.count(token[0], 0, exc.position)
             expected = [f"a valid regular expression ({exc.reason})"]
             raise FilterError(self._text, token.start_pos + 1 + at, expected) from None
+        if pattern not in self._patterns:
+            self._patterns.add(pattern)
+            self._program += compiled.size
+        if self._program > MAX_FILTER_PROGRAM:
+            raise FilterError(self._text, token.start_pos, [f"LIKE patterns of at most {MAX_FILTER_PROGRAM:,} RE2 instructions in all"],
+                              f"{self._program:,} by here")
         return Like(items[0], pattern, _negated(items[1:]))
 
     def in_(self, items):
@@ -330,6 +338,10 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", maybe_placeholders=False)
 # Parsing costs ~60 us a term here: this bound keeps any one filter (from a header, a query or a
 # subscription) under ~0.4 s of a worker's time.
 MAX_FILTER_CHARS = 65_536
+# RE2 instructions all the LIKE patterns of one filter may compile to (each at most MAX_PROGRAM):
+# what compiling it, and keeping it in the cache, may cost (a filter of 1,941 patterns of 62,000
+# instructions each took minutes to compile and gigabytes that stayed).
+MAX_FILTER_PROGRAM = 20_000
 
 
 def _parse(text: str) -> Any:
@@ -658,7 +670,7 @@ def _compile_predicate(node: Any) -> Pred:
             return lambda rec: not _is_null(get(rec))
         return lambda rec: _is_null(get(rec))
     if isinstance(node, Like):
-        search = Regex(node.pattern).search
+        search = regex(node.pattern).search
 
         def scalar(v):
             s = _text(v)

@@ -14,12 +14,19 @@ RegexError with the reason and, when RE2 names the offending fragment, its posit
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import re2
 from re2 import _re2
 
-__all__ = ["RegexError", "Regex", "MAX_MEM"]
+__all__ = ["RegexError", "Regex", "MAX_MEM", "MAX_PROGRAM", "regex"]
 
 MAX_MEM = 2 << 20  # bytes of RE2 program and DFA cache per pattern (RE2's default is 8 MiB)
+# RE2 instructions a pattern may compile to. Linear in the text is not cheap with a large program:
+# counted repetitions of broad classes (`.{1000}.{1000}z`: 16,005 instructions) overflow the DFA
+# and fall back to a match costing text x program (4 s for 100 KB), which no budget can interrupt.
+# `\p{L}` alone is 1,200; `[0-9a-f]{32}` 68; `.{500}` 4,004.
+MAX_PROGRAM = 5_000
 # RE2's reasons for the PCRE constructs it leaves out, which a user may not expect to be refused.
 _UNSUPPORTED = ("invalid perl operator", "invalid escape sequence", "bad repetition operator", "invalid repetition size")
 _HINT = "LIKE uses RE2 syntax: no backreferences, look-around, atomic groups, possessive quantifiers or counts over 1000"
@@ -54,7 +61,7 @@ class Regex:
     match objects and maps byte offsets to characters, about 5x the cost of the match itself.
     Pickles as its pattern (Spark ships filters to its Python workers)."""
 
-    __slots__ = ("pattern", "_match")
+    __slots__ = ("pattern", "size", "_match")
 
     def __init__(self, pattern: str):
         compiled = _re2.RE2(pattern.encode("utf-8", "surrogatepass"), _OPTIONS)
@@ -65,7 +72,12 @@ class Regex:
             if reason.startswith(_UNSUPPORTED):
                 reason = f"{reason}; {_HINT}"
             raise RegexError(pattern, reason, position)
+        size = compiled.ProgramSize()
+        if size > MAX_PROGRAM:
+            raise RegexError(pattern, f"the pattern compiles to {size:,} RE2 instructions, over the {MAX_PROGRAM:,} a LIKE may "
+                             "use (large counted repetitions, such as .{1000} or \\p{L}{100}, make every match slow)", 0)
         self.pattern = pattern
+        self.size = size
         self._match = compiled.Match
 
     def search(self, text: str) -> bool:
@@ -79,6 +91,13 @@ class Regex:
 
     def __repr__(self) -> str:
         return f"Regex({self.pattern!r})"
+
+
+@lru_cache(maxsize=1024)
+def regex(pattern: str) -> Regex:
+    """`Regex(pattern)`, compiled once: a filter's parse validates its patterns and its compilation
+    uses them, and subscriptions repeat filters."""
+    return Regex(pattern)
 
 
 def _position(pattern: str, reason: str) -> int:

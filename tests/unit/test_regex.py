@@ -113,3 +113,22 @@ def test_a_long_digit_run_compared_with_a_number_is_linear():
     began = time.perf_counter()
     assert not compile_filter("/a > 5").matches({"a": "1" * 200_000 + "x"})
     assert time.perf_counter() - began < 0.5
+
+
+def test_patterns_whose_matches_cost_text_times_program_are_refused():
+    """Review: `.{1000}.{1000}z` (16,005 RE2 instructions) matched 100 KB in 4 s, where no budget
+    can interrupt it; a filter of 1,941 LIKEs of 62,000 instructions each took minutes and
+    gigabytes to compile. A pattern may compile to MAX_PROGRAM instructions, a filter's distinct
+    patterns to MAX_FILTER_PROGRAM in all; patterns people write stay far below."""
+    from processor.core.filters import MAX_FILTER_PROGRAM
+    from processor.core.regex import MAX_PROGRAM
+
+    with pytest.raises(RegexError, match="16,005 RE2 instructions, over the 5,000"):
+        Regex(".{1000}.{1000}z")
+    with pytest.raises(FilterError, match="a valid regular expression"):
+        compile_filter(r"/a LIKE '\p{Greek}{1000}'")
+    assert Regex(r"[0-9a-f]{32}").size < 100 and Regex(r"\p{L}+").size < MAX_PROGRAM
+    six = " OR ".join(f"/a LIKE '.{{{590 + i}}}'" for i in range(6))  # about 4,800 instructions each
+    with pytest.raises(FilterError, match=f"LIKE patterns of at most {MAX_FILTER_PROGRAM:,} RE2 instructions in all"):
+        compile_filter(six)
+    assert compile_filter(" OR ".join(["/a LIKE '.{590}'"] * 6)).matches({"a": "x" * 600})  # one pattern, compiled once
