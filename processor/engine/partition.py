@@ -204,7 +204,7 @@ class SowPartition:
             n = self.spec.partitions
             keys = [k for k in cmd.keys if owner_partition(k, n) == self.p]
         else:  # lazily: a filter over millions of records is never listed at once
-            keys = self.state.matching(_TimedFilter(compile_filter(cmd.filter or "1=1"), delete_filter_seconds()))
+            keys = self.state.matching(_TimedFilter(compile_filter(cmd.filter or "1=1"), delete_filter_seconds(), lambda: checkpoint(out)))
         state = self.state
         expiring = self.policy.active
         chunk = self.delete_chunk
@@ -306,14 +306,23 @@ class _OverBudget(Exception):
         self.budget = budget
 
 
+# While a delete's filter tests records, a runner may commit at least this often (`checkpoint`): a
+# scan that finds few matches would otherwise hold the transaction open past its timeout (10 s by
+# default, under the filter's budget), and the coordinator would abort it and the input be read
+# again, for ever.
+DELETE_CHECKPOINT_SECONDS = 1.0
+
+
 class _TimedFilter:
     """A delete's filter that may spend `budget` seconds testing records, then raises _OverBudget:
-    a delete by filter runs on the worker's loop, and one input must not hold it for hours."""
+    a delete by filter runs on the worker's loop, and one input must not hold it for hours. Calls
+    `tick` every DELETE_CHECKPOINT_SECONDS."""
 
-    __slots__ = ("filter", "budget", "spent")
+    __slots__ = ("filter", "budget", "spent", "tick", "ticked")
 
-    def __init__(self, inner, budget: float):
+    def __init__(self, inner, budget: float, tick):
         self.filter, self.budget, self.spent = inner, budget, 0.0
+        self.tick, self.ticked = tick, time.perf_counter()
 
     def equality_terms(self):
         return self.filter.equality_terms()
@@ -323,9 +332,13 @@ class _TimedFilter:
         try:
             return self.filter.matches(record)
         finally:
-            self.spent += time.perf_counter() - began
+            ended = time.perf_counter()
+            self.spent += ended - began
             if self.spent > self.budget:
                 raise _OverBudget(self.budget)
+            if ended - self.ticked >= DELETE_CHECKPOINT_SECONDS:
+                self.ticked = ended
+                self.tick()
 
 
 def pop_due_by_lookup(state: PartitionState, now_ms: int) -> Iterator[tuple[int, str, SowRecord]]:

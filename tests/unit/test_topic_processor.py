@@ -523,3 +523,29 @@ def test_a_delete_a_new_owner_applies_late_keeps_what_its_other_partitions_chang
     kept = {k for p in proc.stores for k, _ in proc.stores[p].records()}
     assert kept == {key_of(proc, other[0])}
     assert len([r for r in out if r.topic == "orders.sow"]) == 11
+
+
+def test_a_delete_that_tests_many_records_lets_its_runner_commit_on_time(tmp_path, monkeypatch):
+    """Review: a delete by filter that matched little while it tested records for longer than the
+    transaction timeout (10 s, under its 30 s budget) had its transaction aborted by the coordinator,
+    and was read again, for ever. While it tests records, a runner's buffer that can commit is asked
+    to every DELETE_CHECKPOINT_SECONDS (here: every record), not only every KSOW_DELETE_CHUNK removals."""
+    from processor.engine import partition
+
+    proc = make(tmp_path, persistence="memory", partitions=1)
+    run(proc, [InputMessage("orders", 0, i, None, orjson.dumps({"id": i, "desk": "fx" if i == 7 else "rates"}), [], 1_000) for i in range(50)])
+
+    class Buffer(list):
+        checkpoints = 0
+
+        def checkpoint(self):
+            self.checkpoints += 1
+
+    out = Buffer()
+    monkeypatch.setattr(partition, "DELETE_CHECKPOINT_SECONDS", 0.0)
+    proc.engine.handle([InputMessage("orders", 0, 50, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'")], 2_000)], 5_000, out)
+    assert out.checkpoints >= 49 and [r.topic for r in out] == ["orders.sow", "orders.diff"]
+    monkeypatch.setattr(partition, "DELETE_CHECKPOINT_SECONDS", 1.0)
+    out = Buffer()
+    proc.engine.handle([InputMessage("orders", 0, 51, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'none'")], 2_000)], 5_000, out)
+    assert out.checkpoints == 0  # a scan of a few milliseconds commits nothing early
