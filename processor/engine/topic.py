@@ -10,12 +10,13 @@ its inputs with the rules of `SowPartition`.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Iterable
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, InputError
-from processor.contract.types import Command, InputMessage, Output, SowRecord
+from processor.contract.types import Command, InputMessage, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import parse_sow_message
 from processor.core.codec import Codec
@@ -50,6 +51,12 @@ class SowTopicEngine:
         self._owners: dict[str, int] = {}  # owner partitions of recent SowKeys: one dict look-up per input
         # What a store of this topic keeps beside its records (only topics with a capacity pay for ages).
         self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0)
+        # A runner whose outputs commit in transactions sets this to their timeout (seconds): a
+        # delete by SowKeys or filter that took longer cannot have committed (the coordinator aborts
+        # the transaction), and read again it would stall the partition the same way, for ever. It
+        # is refused when it comes again (`_too_slow`: where it was read).
+        self.slow_delete_seconds: float | None = None
+        self._too_slow: set[tuple[str, int, int]] = set()
 
     # partitions -----------------------------------------------------------------------
     def attach(self, p: int, state: PartitionState) -> SowPartition:
@@ -107,19 +114,37 @@ class SowTopicEngine:
         cmd, default = self.parse(msg)
         published = msg.timestamp or now
         came = msg.sort or published  # its place in the order: what was due by then expired before it
-        partitions = self.partitions
-        n = self.spec.partitions
         key = cmd.sow_key
         if key is not None:
             owner = self._owners.get(key)
             if owner is None:
                 owner = self._owner(key)
-            target = partitions.get(owner)
+            target = self.partitions.get(owner)
             if target is None:
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
             else:
                 target.apply(cmd, published, now, out, came)
             return
+        if self.slow_delete_seconds is None:
+            self._delete(msg, cmd, default, published, came, now, out)
+            return
+        where = (msg.topic, msg.partition, msg.offset)
+        if where in self._too_slow:
+            raise InputError(f"this sow_delete took longer than the transaction timeout ({self.slow_delete_seconds:g}s) the "
+                             "last time it was applied, so it could not commit; it is not applied again (what its earlier "
+                             "commits removed stays removed; a LIKE with large counted repetitions over large values is "
+                             "the usual cause)")
+        began = time.monotonic()
+        try:
+            self._delete(msg, cmd, default, published, came, now, out)
+        finally:
+            if time.monotonic() - began > self.slow_delete_seconds:
+                self._too_slow.add(where)
+
+    def _delete(self, msg: InputMessage, cmd: SowCommand, default: Command, published: int, came: int, now: int, out: list) -> None:
+        """A delete by SowKeys or filter: applied by every owner of what it names (`handle_one`)."""
+        partitions = self.partitions
+        n = self.spec.partitions
         if msg.topic == self.streams.repartition and _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
             partitions[msg.partition].delete(cmd, now, out, sent_at=published)
             return

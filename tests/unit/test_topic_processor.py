@@ -549,3 +549,20 @@ def test_a_delete_that_tests_many_records_lets_its_runner_commit_on_time(tmp_pat
     out = Buffer()
     proc.engine.handle([InputMessage("orders", 0, 51, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'none'")], 2_000)], 5_000, out)
     assert out.checkpoints == 0  # a scan of a few milliseconds commits nothing early
+
+
+def test_a_delete_that_outlasted_its_transaction_is_refused_when_read_again(tmp_path):
+    """Review: a delete whose single match took 37 s (longer than the 10 s transaction timeout)
+    could not commit; read again, it stalled the partition the same way, for ever. A runner with
+    transactions sets `slow_delete_seconds`: such a delete, read again, lands on `.errors`."""
+    proc = make(tmp_path, persistence="memory", partitions=1)
+    run(proc, [InputMessage("orders", 0, i, None, orjson.dumps({"id": i}), [], 1_000) for i in range(3)])
+    proc.engine.slow_delete_seconds = 0.0  # every delete outlasts it
+    delete = InputMessage("orders", 0, 3, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id = 1")], 2_000)
+    assert [r.topic for r in proc.handle([delete], now=5_000)] == ["orders.sow", "orders.diff"]
+    for store in proc.stores.values():
+        store.rollback()  # the transaction was aborted: nothing it staged stays
+    (err,) = proc.handle([delete], now=6_000)
+    assert err.topic == "orders.errors" and b"took longer than the transaction timeout" in hdr(err, "sow-error")
+    other = InputMessage("orders", 0, 4, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id = 2")], 2_000)
+    assert [r.topic for r in proc.handle([other], now=6_000)] == ["orders.sow", "orders.diff"]

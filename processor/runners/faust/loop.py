@@ -429,6 +429,9 @@ class SowLoop:
         self.settings = settings or LoopSettings.from_env()
         self.eos = self.settings.guarantee is Guarantee.EXACTLY_ONCE
         self.engines = {s.topic: SowTopicEngine(s, topology_dir, topology.views_of(s.topic)) for s in topology.sow}
+        if self.eos:  # a delete that outlasts a transaction cannot commit: read again, it is refused
+            for engine in self.engines.values():
+                engine.slow_delete_seconds = self.settings.transaction_timeout_ms / 1000
         self._by_input: dict[str, tuple[SowTopicEngine, int]] = {}
         for engine in self.engines.values():
             spec = engine.spec
