@@ -55,7 +55,7 @@ _INDEXES = "indexes"  # which hash indexes, keyed which way, the `i` entries wer
 # How values become hash index keys. 2: keys told apart as hashed (`distinct_keys`), where 1 kept one
 # of True and 1, False and 0, 2**60 and 2.0**60 in a record's entries.
 INDEX_FORMAT = 2
-_REINDEX_CHUNK = 10_000  # records re-indexed a write
+_REINDEX_CHUNK = 10_000  # index entries removed, or records indexed, a write (re-indexing)
 _ABSENT = object()  # not in a cache (None there means: no such record)
 
 
@@ -238,8 +238,11 @@ class PartitionStore:
         if self.meta(_INDEXES) == signature:
             return
         batch = self.backend.batch()
-        for k, _ in self.backend.scan(_IDX, _IDX + _END):
+        for n, (k, _) in enumerate(self.backend.scan(_IDX, _IDX + _END), 1):
             batch.delete(k)
+            if n % _REINDEX_CHUNK == 0:
+                self.backend.write(batch)
+                batch = self.backend.batch()
         if self.indexes.hash_indexes:
             for n, (key, record) in enumerate(self.records(), 1):
                 for entry in self._hash_entries(key.encode(), record):
