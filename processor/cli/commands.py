@@ -478,6 +478,8 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
         client.flush()
     if count is None:
         _print({"sent": True})
+        if client.last_delete_uncounted:
+            click.echo(f"warning: the delete was sent but not counted: {client.last_delete_uncounted}", err=True)
         return
     pending = client.last_delete_pending
     _print({"deleted": count, "pending": pending} if pending else {"deleted": count})

@@ -49,6 +49,10 @@ class ClientError(ValueError):
     """A request the client refuses before anything is sent (bad JSON, missing key field...)."""
 
 
+class TooManyRecords(ClientError):
+    """A query that matched more records than a worker answers with (KSOW_QUERY_MAX_ROWS)."""
+
+
 @dataclass
 class SowEntry:
     sow_key: str
@@ -77,6 +81,7 @@ class Client:
         self._tls = _tls_context(os.environ.get("KSOW_WEB_CA"))
         self.last_query_source: str | None = None
         self.last_delete_pending = 0  # see delete(wait=...)
+        self.last_delete_uncounted: str | None = None
         self.skipped = 0  # malformed `<topic>.sow` records passed over by snapshots and subscriptions
         self._registry: tuple[float, list[dict]] | None = None
         self._kafka_error: KafkaError | None = None
@@ -213,6 +218,8 @@ class Client:
         matched when the delete was sent and whose delete events then appeared on `<topic>.sow`;
         `last_delete_pending` says how many of them had not when the wait ended (no worker running,
         or one behind: the delete stays on the input topic and is applied when one gets to it).
+        When more records match than a worker answers a query with (KSOW_QUERY_MAX_ROWS), the
+        delete is sent without being counted: it returns None and `last_delete_uncounted` says why.
         """
         if sum(x is not None for x in (filter, keys, data)) != 1:
             raise ClientError("give exactly one of filter, keys or data")
@@ -221,6 +228,7 @@ class Client:
         value = None
         key = None
         self.last_delete_pending = 0
+        self.last_delete_uncounted = None
         if filter is not None:
             from processor.core.filters import compile_filter
 
@@ -244,7 +252,13 @@ class Client:
             produce(self.producer, spec.topic, value, key, headers=headers)
             self.producer.poll(0)
             return None
-        targets = {e.sow_key for e in self.query(topic, filter=filter, keys=keys or ([key.decode()] if key else None))}
+        try:
+            targets = {e.sow_key for e in self.query(topic, filter=filter, keys=keys or ([key.decode()] if key else None))}
+        except TooManyRecords as exc:
+            produce(self.producer, spec.topic, value, key, headers=headers)
+            self.flush()
+            self.last_delete_uncounted = str(exc)
+            return None
         consumer = make_consumer(self.bootstrap)
         try:
             ends = end_offsets(consumer, spec.sow_topic, range(spec.partitions))
@@ -391,7 +405,8 @@ class Client:
             # partitions to the others does not hold it up for the HTTP timeout.
             for worker, answer in _as_answered(workers, ask):
                 if isinstance(answer, dict) and isinstance(answer.get("error"), str):
-                    raise ClientError(f"worker {worker['url']}: {answer['error']}")
+                    refused = TooManyRecords if answer.get("status") == 413 else ClientError
+                    raise refused(f"worker {worker['url']}: {answer['error']}")
                 if not _valid_answer(answer):
                     if answer is not None:
                         log.warning("ignored a malformed answer from worker %s", worker["url"])
@@ -691,7 +706,8 @@ def _as_answered(workers: list[dict], ask: Callable[[dict], Any]) -> Iterator[tu
 def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = None, timeout: float = 30.0, body: bytes | None = None) -> Any:
     """GET a worker's JSON answer (POST `body`, a JSON object, when given); None when the worker is
     gone or answers no JSON (its partitions will be missing, and another worker or the changelog
-    answers for them). Never raises: it runs on an asker thread (`_as_answered`)."""
+    answers for them); an error answer carries its HTTP status as "status". Never raises: it runs
+    on an asker thread (`_as_answered`)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if body is not None:
         headers["Content-Type"] = "application/json"
@@ -701,10 +717,13 @@ def _http_json(url: str, token: str | None = None, tls: ssl.SSLContext | None = 
             return orjson.loads(response.read())
     except urllib.error.HTTPError as exc:
         try:
-            return orjson.loads(exc.read())
+            answer = orjson.loads(exc.read())
         except orjson.JSONDecodeError:
             log.warning("worker %s answered HTTP %d without a JSON error: its partitions are read from the changelog", url, exc.code)
             return None
+        if isinstance(answer, dict):
+            answer.setdefault("status", exc.code)
+        return answer
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, ssl.SSLCertVerificationError):
             # Not a worker that is gone: every answer would be refused alike, and the query would

@@ -154,3 +154,23 @@ def test_workers_expose_prometheus_metrics(cluster):
     # Where the loop threads' time went: they waited for inputs, applied 30 and committed them.
     for step in ("consume", "file", "apply", "prepare", "commit_wait", "store_commit"):
         assert total("ksow_loop_seconds_total", step, key="step") > 0, step
+
+
+def test_a_delete_matching_more_than_a_worker_answers_is_sent_uncounted(kafka_bootstrap, unique_name, tmp_path):
+    """Review: with a wait, a delete counts the records it matches first; past KSOW_QUERY_MAX_ROWS
+    that query failed, and the delete was never sent. It is sent, and said to be uncounted."""
+    path = write_topology(tmp_path, unique_name, partitions=2)
+    group = f"g-{unique_name}"
+    worker = Worker(kafka_bootstrap, path, group, tmp_path / "d", "w", env={"KSOW_QUERY_MAX_ROWS": "5"}).start()
+    try:
+        client = Client(kafka_bootstrap, load_topology(path), group)
+        for i in range(8):
+            client.publish(unique_name, {"id": i})
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name, filter="/id >= 4")) == 4 and client.last_query_source == "workers", timeout=60)
+        assert client.delete(unique_name, filter="1=1", wait=30) is None
+        assert "matched more than 5 records (KSOW_QUERY_MAX_ROWS)" in client.last_delete_uncounted
+        wait_until(lambda: client.query(unique_name, filter="/id < 4") == client.query(unique_name, filter="/id >= 4") == [], timeout=60)
+        assert client.delete(unique_name, filter="1=1", wait=5) == 0 and client.last_delete_uncounted is None
+    finally:
+        worker.kill()
