@@ -224,6 +224,19 @@ def _web_settings(web_port, web_host, web_bind, web_token, web_cert, web_key):
     return settings
 
 
+def _ports_free(web, ports) -> None:
+    """Exit 1 unless the worker's HTTP address is free on each of these ports too."""
+    from dataclasses import replace
+
+    from processor.contract.errors import ConfigError
+
+    try:
+        for port in ports:
+            replace(web, port=port).check_port()
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
 def _worker_options(fn):
     for option in reversed(WORKER_OPTIONS):
         fn = option(fn)
@@ -262,8 +275,7 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     if web_port and workers > 1:  # worker i of a pool serves at web_port + i: each port is checked now
         if web_port + workers - 1 > 65535:
             _fail(f"--web-port {web_port} with --workers {workers} needs ports up to {web_port + workers - 1}, past 65535")
-        for i in range(1, workers):
-            _web_settings(web_port + i, web_host, web_bind, web_token, web_cert, web_key)
+        _ports_free(web, range(web_port + 1, web_port + workers))
     _loop_settings(guarantee, static)  # what a worker would refuse stops it (or the pool) before it connects
     if workers > 1:
         from processor.runners.faust.worker import default_data_dir

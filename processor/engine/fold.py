@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 
 from processor.contract.errors import InputError
 from processor.contract.types import Command, InputMessage, SowCommand, SowRecord
-from processor.core.codec import Codec, codec_for
+from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
 from processor.core.expiry import is_due
 from processor.core.filters import FilterError
@@ -122,7 +122,7 @@ class SowFold:
 
     def __init__(self, spec: SowTopic, codec: Codec | None = None, transitions: bool = False, records: dict[str, SowRecord] | None = None):
         self.spec = spec
-        self.codec = codec or codec_for(spec.message_type.value, spec.schema_)
+        self.codec = codec or spec.codec(None)
         self.policy = spec.expiry
         self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
         self.rejected = 0

@@ -55,7 +55,7 @@ _INDEXES = "indexes"  # which hash indexes, keyed which way, the `i` entries wer
 # How values become hash index keys. 2: keys told apart as hashed (`distinct_keys`), where 1 kept one
 # of True and 1, False and 0, 2**60 and 2.0**60 in a record's entries.
 INDEX_FORMAT = 2
-_REINDEX_CHUNK = 10_000  # index entries removed, or records indexed, a write (re-indexing)
+_REINDEX_CHUNK = 10_000  # index entries removed or written a write (re-indexing)
 _ABSENT = object()  # not in a cache (None there means: no such record)
 
 
@@ -237,19 +237,17 @@ class PartitionStore:
         signature = self._index_signature()
         if self.meta(_INDEXES) == signature:
             return
+        stale = ((k, None) for k, _ in self.backend.scan(_IDX, _IDX + _END))
+        fresh = ((entry, b"") for key, record in self.records() for entry in self._hash_entries(key.encode(), record))
         batch = self.backend.batch()
-        for n, (k, _) in enumerate(self.backend.scan(_IDX, _IDX + _END), 1):
-            batch.delete(k)
+        for n, (entry, value) in enumerate(itertools.chain(stale, fresh if self.indexes.hash_indexes else ()), 1):
+            if value is None:
+                batch.delete(entry)
+            else:
+                batch.put(entry, value)
             if n % _REINDEX_CHUNK == 0:
                 self.backend.write(batch)
                 batch = self.backend.batch()
-        if self.indexes.hash_indexes:
-            for n, (key, record) in enumerate(self.records(), 1):
-                for entry in self._hash_entries(key.encode(), record):
-                    batch.put(entry, b"")
-                if n % _REINDEX_CHUNK == 0:
-                    self.backend.write(batch)
-                    batch = self.backend.batch()
         batch.put(_META + _INDEXES.encode(), _INT.pack(signature))
         self.backend.write(batch)
 
