@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -114,10 +115,12 @@ class AvroCodec:
 
     def __init__(self, schema_path: str | Path):
         import fastavro
+        from fastavro import _read_py  # fastavro's pure-Python reader (its own fallback without the C extension)
 
         from processor.core.avro import converters, without_logical_types
 
         self._fastavro = fastavro
+        self._python_reader = _read_py.schemaless_reader
         try:
             raw = json.loads(Path(schema_path).read_text())
             named: dict = {}
@@ -129,11 +132,23 @@ class AvroCodec:
         # Read without logical types, so values are the JSON ones a store keeps (processor.core.avro).
         self._wire = fastavro.parse_schema(without_logical_types(raw))
         self._to_core, self._to_avro = converters(self.schema, named)
+        try:
+            containers, recursive = _schema_shape(self.schema, named)
+        except ConfigError as exc:
+            raise ConfigError(f"the Avro schema {schema_path}: {exc}") from None
+        # A value longer than this may nest deep enough to overflow the C reader's stack (_C_READER_LEVELS).
+        self._c_reader_bytes = _C_READER_LEVELS // containers if recursive else sys.maxsize
 
     def decode(self, data: bytes) -> dict:
         buffer = io.BytesIO(data)
+        # fastavro's C reader recurses without a check, into a segfault past ~9,000 records, arrays,
+        # maps and unions deep: a long value of a recursive schema goes to its Python reader, which
+        # stops at Python's recursion limit (RecursionError).
+        read = self._fastavro.schemaless_reader if len(data) <= self._c_reader_bytes else self._python_reader
         try:
-            record = self._fastavro.schemaless_reader(buffer, self._wire, None)
+            record = read(buffer, self._wire, None)
+        except RecursionError:
+            raise InputError(_TOO_DEEP) from None
         except Exception as exc:  # fastavro raises many types for malformed bytes
             why = str(exc) or ("it ends too soon" if isinstance(exc, EOFError) else type(exc).__name__)
             raise InputError(f"value is not valid Avro for the topic schema: {why}{_wire_format_hint(data)}") from None
@@ -141,7 +156,10 @@ class AvroCodec:
             raise InputError("Avro value must be a record")
         if (left := len(data) - buffer.tell()) > 0:  # a value of another schema, or of another framing
             raise InputError(f"value is not a record of the topic's Avro schema: {left} bytes left after it{_wire_format_hint(data)}")
-        return self._to_core(record) if self._to_core else record
+        try:
+            return self._to_core(record) if self._to_core else record
+        except RecursionError:  # the converters of a recursive schema recurse a few frames a level
+            raise InputError(_TOO_DEEP) from None
 
     def encode(self, record: dict) -> bytes:
         out = io.BytesIO()
@@ -158,6 +176,64 @@ class AvroCodec:
     def delta_fields(self, record: dict) -> dict:
         """An Avro record always carries every field: in a delta, null means "not sent"."""
         return {k: self.delta_fields(v) if isinstance(v, dict) else v for k, v in record.items() if v is not None}
+
+
+# fastavro's C reader takes ~850 bytes of C stack for each record, array, map and union it is in,
+# unchecked: ~9,000 of them overflow an 8 MB stack (measured: a linked list 4,600 deep, a chain of 4
+# records and a union 2,100). A value of a recursive schema goes a level deeper for at least one
+# byte (a union's index, an array's or a map's count), through at most every one of the schema's
+# records, arrays, maps and unions: a value of at most _C_READER_LEVELS // (their number) bytes
+# keeps the C reader under _C_READER_LEVELS of them, a fifth of what overflows.
+_C_READER_LEVELS = 2_000
+_TOO_DEEP = "value nests too deep for the topic's recursive Avro schema"
+
+
+def _schema_shape(schema, named: dict) -> tuple[int, bool]:
+    """(how many records, arrays, maps and unions the parsed `schema` has, whether a named type in it
+    holds itself); ConfigError on an array whose items take no bytes: such an array is a count
+    alone, and a value of a dozen bytes could claim 2**62 items that fastavro would append forever."""
+    containers, recursive, open_names = 0, False, []
+
+    def walk(node, at: str) -> None:
+        nonlocal containers, recursive
+        if isinstance(node, str):
+            recursive = recursive or node in open_names  # a reference to a type being defined
+        elif isinstance(node, list):
+            containers += 1
+            for branch in node:
+                walk(branch, at)
+        elif node["type"] in ("record", "error"):
+            containers += 1
+            open_names.append(node["name"])
+            for field in node["fields"]:
+                walk(field["type"], f"{at}/{field['name']}")
+            open_names.pop()
+        elif node["type"] == "array":
+            containers += 1
+            if _takes_no_bytes(node["items"], named, ()):
+                raise ConfigError(f"{at or '/'}: an array of items that take no bytes (null, a fixed of size 0, "
+                                  "a record of only such fields) is a count alone, which a value could make any number")
+            walk(node["items"], at + "[]")
+        elif node["type"] == "map":
+            containers += 1
+            walk(node["values"], at)
+
+    walk(schema, "")
+    return max(containers, 1), recursive
+
+
+def _takes_no_bytes(schema, named: dict, seen: tuple) -> bool:
+    """Whether a value of the parsed `schema` is written as no bytes at all."""
+    if isinstance(schema, str):
+        if schema in named:
+            return schema not in seen and _takes_no_bytes(named[schema], named, seen + (schema,))
+        return schema == "null"
+    if isinstance(schema, list):  # a union writes its branch's index
+        return False
+    kind = schema["type"]
+    if kind in ("record", "error"):
+        return all(_takes_no_bytes(f["type"], named, seen + (schema["name"],)) for f in schema["fields"])
+    return kind == "null" or (kind == "fixed" and schema["size"] == 0)
 
 
 def _wire_format_hint(data: bytes) -> str:

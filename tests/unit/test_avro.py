@@ -1,13 +1,15 @@
 """The Avro message type: records in and out through fastavro with the topology's schema."""
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import fastavro
 import orjson
 import pytest
 
-from processor.contract.errors import InputError
+from processor.contract.errors import ConfigError, InputError
 from processor.core.codec import AvroCodec
 from processor.core.keys import owner_partition
 from processor.contract.types import InputMessage
@@ -220,3 +222,73 @@ def test_a_union_writes_a_plain_value_to_its_plain_branch(tmp_path):
     codec = AvroCodec(path)
     assert codec.decode(codec.encode({"id": 1, "n": 5, "s": "x"})) == {"id": 1, "n": 5, "s": "x"}
     assert codec.decode(codec.encode({"id": 1, "n": "5.25", "s": None})) == {"id": 1, "n": "5.25", "s": None}
+
+
+def _zigzag(n: int) -> bytes:
+    """An Avro long as it is written (zig-zag varint), for hand-made values."""
+    u, out = ((n << 1) ^ (n >> 63)) & ((1 << 64) - 1), bytearray()
+    while u > 0x7F:
+        out.append(u & 0x7F | 0x80)
+        u >>= 7
+    return bytes(out) + bytes([u])
+
+
+NODE = {"type": "record", "name": "Node", "fields": [{"name": "id", "type": "long"}, {"name": "next", "type": ["null", "Node"]}]}
+
+
+def test_an_avro_value_of_a_recursive_schema_nesting_thousands_deep_goes_to_errors_not_down_with_the_worker(tmp_path):
+    """fastavro's C reader recurses once a level without a check: ~4,600 levels of a linked list
+    (9 KB) overflow the C stack and kill the process (SIGSEGV). Run in a child process: the test
+    must see the crash, not be it."""
+    path = tmp_path / "node.avsc"
+    path.write_text(orjson.dumps(NODE).decode())
+    child = f"""
+from processor.contract.errors import InputError
+from processor.core.codec import AvroCodec
+codec = AvroCodec({str(path)!r})
+for depth in (400, 5_000, 100_000):
+    try:
+        codec.decode(b"\\x02\\x02" * depth + b"\\x02\\x00")
+        print(depth, "read", flush=True)
+    except Exception as exc:
+        print(depth, type(exc).__name__, "nests too deep" in str(exc), flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, cwd=SCHEMA.parents[1])
+    assert done.returncode == 0, f"the decoding process died ({done.returncode}): {done.stdout!r} {done.stderr[-500:]!r}"
+    assert done.stdout.split("\n")[:3] == ["400 InputError True", "5000 InputError True", "100000 InputError True"], done.stdout
+
+
+def test_a_large_shallow_value_of_a_recursive_schema_reads_as_a_small_one(tmp_path):
+    path = tmp_path / "node.avsc"
+    path.write_text(orjson.dumps(NODE).decode())
+    node = None
+    for i in range(120):  # 10-byte ids: ~1.3 KB
+        node = {"id": (1 << 62) + i, "next": node}
+    codec = AvroCodec(path)
+    data = codec.encode(node)
+    assert len(data) > 1_000
+    assert codec.decode(data) == node
+
+
+@pytest.mark.parametrize("items", ["null", {"type": "fixed", "name": "Nothing", "size": 0}, {"type": "record", "name": "Empty", "fields": []},
+                                   {"type": "record", "name": "Nulls", "fields": [{"name": "n", "type": "null"}]}])
+def test_an_array_of_items_that_take_no_bytes_is_refused_with_the_schema(tmp_path, items):
+    """Such an array is a count alone: a value of a dozen bytes claiming 2**62 items would keep a
+    worker appending them (no byte read, no end) until its memory ran out."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "id", "type": "long"}, {"name": "marks", "type": {"type": "array", "items": items}}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    with pytest.raises(ConfigError, match=r"/marks: an array of items that take no bytes"):
+        AvroCodec(path)
+
+
+def test_a_map_of_nulls_and_an_array_of_unions_are_read_as_usual(tmp_path):
+    """A map's keys and a union's branch index take bytes: a count cannot outrun the value."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "m", "type": {"type": "map", "values": "null"}},
+                                                        {"name": "a", "type": {"type": "array", "items": ["null", "long"]}}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    codec = AvroCodec(path)
+    assert codec.decode(codec.encode({"m": {"x": None}, "a": [None, 1]})) == {"m": {"x": None}, "a": [None, 1]}
+    with pytest.raises(InputError, match="ends too soon"):
+        codec.decode(_zigzag(1 << 62) + _zigzag(0) + _zigzag(0))
