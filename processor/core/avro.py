@@ -118,7 +118,7 @@ class _Converters:
     def _scalar(self, kind: str, schema: dict | None, at: str) -> Convert | None:
         logical = schema.get("logicalType") if schema else None
         if logical == "decimal" and kind in ("bytes", "fixed"):
-            return _decimal_reader(schema.get("scale", 0)) if self.reading else _decimal_writer(at)
+            return _decimal_reader(schema.get("scale", 0), schema.get("precision"), at) if self.reading else _decimal_writer(at)
         if kind in ("bytes", "fixed"):
             return _bytes_reader if self.reading else _bytes_writer(at)
         if kind in ("float", "double") and self.reading:
@@ -163,9 +163,17 @@ def _bytes_writer(at: str) -> Convert:
     return write
 
 
-def _decimal_reader(scale: int) -> Convert:
+def _decimal_reader(scale: int, precision: int | None, at: str) -> Convert:
+    # A value's bytes may hold more digits than the schema declares (a megabyte of them, which
+    # Python would not even turn into text): such a value is not of the schema.
+    digits = precision if isinstance(precision, int) and precision > 0 else 4000
+    max_bits = math.ceil(digits * math.log2(10))
+
     def read(v: bytes) -> str:  # from text, so no context rounds it (28 digits): exact at any precision
-        return format(Decimal(f"{int.from_bytes(v, 'big', signed=True)}e-{scale}"), "f")
+        unscaled = int.from_bytes(v, "big", signed=True)
+        if abs(unscaled).bit_length() > max_bits:
+            raise InputError(f"{at}: a decimal with more digits than the schema's precision ({digits})")
+        return format(Decimal(f"{unscaled}e-{scale}"), "f")
 
     return read
 

@@ -292,3 +292,17 @@ def test_a_map_of_nulls_and_an_array_of_unions_are_read_as_usual(tmp_path):
     assert codec.decode(codec.encode({"m": {"x": None}, "a": [None, 1]})) == {"m": {"x": None}, "a": [None, 1]}
     with pytest.raises(InputError, match="ends too soon"):
         codec.decode(_zigzag(1 << 62) + _zigzag(0) + _zigzag(0))
+
+
+def test_a_decimal_with_more_digits_than_its_precision_is_an_input_error(tmp_path):
+    """A megabyte of decimal bytes made Python refuse the integer's text (ValueError: an "internal
+    error" on `.errors`); any value past the schema's precision is not of the schema."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "amt", "type": {"type": "bytes", "logicalType": "decimal", "precision": 12, "scale": 2}}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    codec = AvroCodec(path)
+    widest = (10**12 - 1).to_bytes(6, "big", signed=True)
+    assert codec.decode(_zigzag(len(widest)) + widest) == {"amt": "9999999999.99"}
+    for size in (8, 1 << 20):
+        with pytest.raises(InputError, match=r"/amt: a decimal with more digits than the schema's precision \(12\)"):
+            codec.decode(_zigzag(size) + b"\x7f" + b"\xff" * (size - 1))
