@@ -20,7 +20,7 @@ READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this lon
 MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
 DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of the worker (its memory and transaction stay bounded)
 QUERY_THREADS = 2  # HTTP queries a worker runs at once (threads beside its loop); the others wait
-DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing one partition's records
+DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing the records of the partitions one worker owns
 # How far ahead of the clock a publisher's timestamp may be: input topics ksow creates with publisher
 # stamps refuse later ones (message.timestamp.after.max.ms), and a worker takes one (on any input) as
 # the clock plus this. A partition sorts by its largest stamp so far, so one stamp an hour ahead would otherwise put
@@ -66,8 +66,8 @@ def delete_chunk() -> int:
 
 
 def delete_filter_seconds() -> float:
-    """Time one sow_delete's filter may spend testing a partition's records (env
-    KSOW_DELETE_FILTER_SECONDS). A filter costs about a microsecond a record, but a LIKE with large
+    """Time one sow_delete's filter may spend testing the records of a worker's partitions, all of
+    them together (env KSOW_DELETE_FILTER_SECONDS). A filter costs about a microsecond a record, but a LIKE with large
     counted repetitions can cost RE2 ~10 us a byte: one such delete held a worker's loop for hours."""
     return float(_env("KSOW_DELETE_FILTER_SECONDS"))
 

@@ -186,10 +186,12 @@ class SowPartition:
             state.remove(key)
             self._removed(_EXPIRE if self.expiring and is_due(victim.expires_at, at) else Op.EVICT, key, victim, now, out)
 
-    def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None, at: int | None = None) -> int:
+    def delete(self, cmd: SowCommand, now: int, out: list, sent_at: int | None = None, at: int | None = None,
+               budget: "DeleteBudget | None" = None) -> int:
         """A sow_delete by data or SowKey, by SowKeys (those this partition owns) or by filter, sent
         at `at` (or `sent_at`; else now): a record whose instant passed before then expires instead.
-        Returns how many records it removed.
+        Returns how many records it removed. A filter's time comes out of `budget` (default: a
+        budget of its own), which the partitions of one input share.
 
         `sent_at` is given for a delete that another worker fanned out to this partition through
         `.repartition`: it can arrive after this partition applied inputs sent later than it, and a
@@ -204,7 +206,9 @@ class SowPartition:
             n = self.spec.partitions
             keys = [k for k in cmd.keys if owner_partition(k, n) == self.p]
         else:  # lazily: a filter over millions of records is never listed at once
-            keys = self.state.matching(_TimedFilter(compile_filter(cmd.filter or "1=1"), delete_filter_seconds(), lambda: checkpoint(out)))
+            if budget is None:
+                budget = DeleteBudget(delete_filter_seconds())
+            keys = self.state.matching(_TimedFilter(compile_filter(cmd.filter or "1=1"), budget, lambda: checkpoint(out)))
         state = self.state
         expiring = self.policy.active
         chunk = self.delete_chunk
@@ -222,10 +226,13 @@ class SowPartition:
                 if removed % chunk == 0:
                     checkpoint(out)
         except _OverBudget as over:
-            raise InputError(f"the sow-filter took over {over.budget:g}s testing partition {self.p}'s records "
-                             f"(KSOW_DELETE_FILTER_SECONDS); {removed} records it matched were deleted, the rest "
+            done = removed + (budget.removed if budget is not None else 0)
+            raise InputError(f"the sow-filter took over {over.budget:g}s testing this worker's records (stopped in "
+                             f"partition {self.p}; KSOW_DELETE_FILTER_SECONDS); {done} records it matched were deleted, the rest "
                              "were not, nor those of other workers' partitions (a LIKE with large counted "
                              "repetitions is the usual cause)") from None
+        if budget is not None:
+            budget.removed += removed
         return removed
 
     def expire_due(self, now: int, out: list, limit: int | None = None, until: int | None = None) -> tuple[int, int]:
@@ -313,15 +320,26 @@ class _OverBudget(Exception):
 DELETE_CHECKPOINT_SECONDS = 1.0
 
 
+class DeleteBudget:
+    """The filter time one sow_delete may spend on a worker, shared by every partition of that worker
+    it tests: a per-partition budget let one delete hold a worker that owns P partitions P times as
+    long (past max.poll.interval.ms with 20 of them: the worker left its group mid-delete)."""
+
+    __slots__ = ("seconds", "spent", "removed")
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spent, self.removed = seconds, 0.0, 0
+
+
 class _TimedFilter:
-    """A delete's filter that may spend `budget` seconds testing records, then raises _OverBudget:
+    """A delete's filter that may spend its `budget` testing records, then raises _OverBudget:
     a delete by filter runs on the worker's loop, and one input must not hold it for hours. Calls
     `tick` every DELETE_CHECKPOINT_SECONDS."""
 
-    __slots__ = ("filter", "budget", "spent", "tick", "ticked")
+    __slots__ = ("filter", "budget", "tick", "ticked")
 
-    def __init__(self, inner, budget: float, tick):
-        self.filter, self.budget, self.spent = inner, budget, 0.0
+    def __init__(self, inner, budget: DeleteBudget, tick):
+        self.filter, self.budget = inner, budget
         self.tick, self.ticked = tick, time.perf_counter()
 
     def equality_terms(self):
@@ -333,9 +351,10 @@ class _TimedFilter:
             return self.filter.matches(record)
         finally:
             ended = time.perf_counter()
-            self.spent += ended - began
-            if self.spent > self.budget:
-                raise _OverBudget(self.budget)
+            budget = self.budget
+            budget.spent += ended - began
+            if budget.spent > budget.seconds:
+                raise _OverBudget(budget.seconds)
             if ended - self.ticked >= DELETE_CHECKPOINT_SECONDS:
                 self.ticked = ended
                 self.tick()

@@ -16,6 +16,7 @@ from typing import Iterable
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, InputError
+from processor.contract.limits import delete_filter_seconds
 from processor.contract.types import Command, InputMessage, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import parse_sow_message
@@ -23,7 +24,7 @@ from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
-from processor.engine.partition import PartitionState, SowPartition
+from processor.engine.partition import DeleteBudget, PartitionState, SowPartition
 from processor.engine.views import ViewProcessor, views_of
 from processor.state.base import IndexSpec
 from processor.topology import SowTopic, View
@@ -81,9 +82,15 @@ class SowTopicEngine:
             state.put(change.key, SowRecord(change.record, seq, change.expires_at, timestamp))
 
     # inputs ---------------------------------------------------------------------------
-    def handle(self, messages: Iterable[InputMessage], now: int, out: list) -> None:
-        """Apply messages in the given order; what cannot be applied goes to `.errors` with the reason."""
+    def handle(self, messages: Iterable[InputMessage], now: int, out: list, until: float | None = None) -> int:
+        """Apply messages in the given order; what cannot be applied goes to `.errors` with the reason.
+        With `until` (a time.monotonic() instant), stop before any message but the first once it has
+        passed. Returns how many messages were handled (the first ones)."""
+        done = 0
         for msg in messages:
+            if until is not None and done and time.monotonic() >= until:
+                break
+            done += 1
             self.current = msg
             try:
                 self.handle_one(msg, now, out)
@@ -96,6 +103,7 @@ class SowTopicEngine:
                 log.exception("could not apply %s[%d]@%d", msg.topic, msg.partition, msg.offset)
                 out.append(rejected(msg, f"internal error: {type(exc).__name__}: {exc}", self.streams))
         self.current = None
+        return done
 
     def parse(self, msg: InputMessage):
         """(the command, the command its topic defaults to) of one input; raises InputError."""
@@ -158,11 +166,12 @@ class SowTopicEngine:
         # its own stamp, which can be behind what its partition applied before it) is not the
         # delete's to remove. The copies carry that place as their timestamp.
         owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
+        budget = None if cmd.keys else DeleteBudget(delete_filter_seconds())  # one filter budget for all of them
         for q in sorted(owners & partitions.keys()):
             if q == msg.partition:
-                partitions[q].apply(cmd, published, now, out, came)
+                partitions[q].delete(cmd, now, out, at=came, budget=budget)  # as apply() would
             else:
-                partitions[q].delete(cmd, now, out, sent_at=came)
+                partitions[q].delete(cmd, now, out, sent_at=came, budget=budget)
         if cmd.keys:
             for key in cmd.keys:
                 owner = self._owner(key)

@@ -203,9 +203,13 @@ def applied_inputs(loop: SowLoop) -> list[tuple[str, int]]:
     engine = loop.engines["orders"]
     handle = engine.handle
 
-    def recording(messages, now, out):
-        applied.extend((m.topic, m.offset) for m in messages)
-        return handle(messages, now, out)
+    def recording(messages, now, out, until=None):
+        done = len(messages)  # all of them when the chunk fails part way (as a list of them is handed in)
+        try:
+            done = handle(messages, now, out, until)
+            return done
+        finally:
+            applied.extend((m.topic, m.offset) for m in messages[:done])
 
     engine.handle = recording
     return applied

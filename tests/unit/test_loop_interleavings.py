@@ -389,3 +389,38 @@ def test_a_forced_merge_applies_all_that_waited_while_records_may_come_due(monke
     time.sleep(0.1)
     loop.cycle()
     assert applied == [("orders", i) for i in range(600)]
+
+
+def test_a_cycle_of_slow_inputs_ends_on_time_and_leaves_the_rest_queued(monkeypatch, tmp_path):
+    """Review: a cycle applied every input consume() gave it before the next consume(). Inputs can
+    each take a delete's filter budget (30 s): 20 of them in one batch kept the loop from consume()
+    past max.poll.interval.ms (600 s), librdkafka took the worker out of its group, and the batch
+    aborted. A cycle now stops after `max_cycle_ms` (after one input at least); the rest stay queued,
+    in order, for the next cycles, which consume() first (here an input takes 0.1 s, a cycle 0.15 s)."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0, guarantee=Guarantee.AT_LEAST_ONCE)
+    loop.settings.max_cycle_ms = 150
+    applied = applied_inputs(loop)
+    engine = loop.engines["orders"]
+    handle_one = engine.handle_one
+
+    def slow(msg, now, out):
+        time.sleep(0.1)
+        return handle_one(msg, now, out)
+
+    monkeypatch.setattr(engine, "handle_one", slow)
+    consumes: list[int] = []  # inputs applied when consume() was called
+    consume = consumer.consume
+    monkeypatch.setattr(consumer, "consume", lambda n, timeout: consumes.append(len(applied)) or consume(n, timeout))
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    consumer.script.append([Message("orders", 0, i, _record(i), t0 + i) for i in range(6)]
+                           + [end_of("orders", 0, 6), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    first = len(applied)
+    assert 1 <= first <= 2 and consumer.offsets[("orders", 0)] == first  # what waits is not committed
+    for _ in range(10):
+        if len(applied) == 6:
+            break
+        loop.cycle()
+    assert applied == [("orders", i) for i in range(6)]
+    assert len(consumes) >= 3 and all(b - a <= 2 for a, b in zip(consumes, consumes[1:] + [6]))

@@ -1,5 +1,7 @@
 """The engine-neutral processor on real stores: flows with exact outputs, routing, errors, expiry."""
 
+import time
+
 import orjson
 import pytest
 
@@ -566,3 +568,45 @@ def test_a_delete_that_outlasted_its_transaction_is_refused_when_read_again(tmp_
     assert err.topic == "orders.errors" and b"took longer than the transaction timeout" in hdr(err, "sow-error")
     other = InputMessage("orders", 0, 4, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id = 2")], 2_000)
     assert [r.topic for r in proc.handle([other], now=6_000)] == ["orders.sow", "orders.diff"]
+
+
+def test_a_delete_by_filter_has_one_budget_for_all_the_partitions_of_a_worker(tmp_path, monkeypatch):
+    """Review: the filter budget (KSOW_DELETE_FILTER_SECONDS) was per partition, so one delete held a
+    worker that owns P partitions up to P times the budget without a consume(): past the consumer's
+    max.poll.interval.ms (600 s: 20 partitions at 30 s) librdkafka took the worker out of its group
+    mid-delete, the checkpoint failed, and the delete, read again, was refused half done. The
+    partitions of one input now share one budget (here: each partition's records take 0.1 s to test,
+    all four 0.4 s, the budget is 0.25 s)."""
+    from processor.engine import partition
+
+    proc = make(tmp_path, persistence="memory")
+    records, per = [], [0] * N
+    i = 0
+    while min(per) < 5:
+        record = {"id": i, "desk": "fx"}
+        p = msg(proc, record).partition
+        if per[p] < 5:
+            per[p] += 1
+            records.append(record)
+        i += 1
+    run(proc, [msg(proc, r) for r in records])
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def equality_terms(self):
+            return self.inner.equality_terms()
+
+        def matches(self, record):
+            time.sleep(0.02)
+            return self.inner.matches(record)
+
+    compile_filter = partition.compile_filter
+    monkeypatch.setattr(partition, "compile_filter", lambda text: Slow(compile_filter(text)))
+    monkeypatch.setenv("KSOW_DELETE_FILTER_SECONDS", "0.25")
+    out = run(proc, [InputMessage("orders", 0, 99, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/desk = 'fx'")], 2_000)])
+    (err,) = [r for r in out if r.topic == "orders.errors"]
+    deleted = [r for r in out if r.topic == "orders.sow"]
+    assert f"; {len(deleted)} records it matched were deleted" in hdr(err, "sow-error").decode()
+    assert 0 < len(deleted) < 4 * 5

@@ -100,6 +100,12 @@ class LoopSettings:
     # that the producer refuses, at once and for that message, what the broker would refuse for the
     # whole transaction; over a record's own limit (processor.contract.limits) with its key and headers.
     max_message_bytes: int = 1_048_000
+    # How long a cycle applies inputs before it leaves the rest queued for the next one (each SOW
+    # topic applies at least one input a cycle): between two consume() calls the loop must stay under
+    # the consumer's max.poll.interval.ms, or librdkafka takes it out of its group mid-cycle, and an
+    # input may take a delete's filter budget (KSOW_DELETE_FILTER_SECONDS): 20 slow deletes in one
+    # batch outlasted the 600 s. A cycle of ordinary inputs takes a second or two.
+    max_cycle_ms: int = 30_000
     session_timeout_ms: int = 10_000  # a worker silent this long leaves the group (its partitions move)
     transaction_timeout_ms: int = 10_000  # the coordinator aborts a transaction open this long (a stalled worker's)
     # Static group membership (KIP-345): the worker joins as its stable identity (group, host, data
@@ -156,6 +162,13 @@ class _TestSwitch:
 
 _SWITCHES = [s for s in (_TestSwitch(os.environ.get("KSOW_TEST_KILL_AT"), signal.SIGKILL), _TestSwitch(os.environ.get("KSOW_TEST_STOP_AT"), signal.SIGSTOP)) if s.step]
 _KILLS = bool(_SWITCHES)
+
+
+def _put_back(tasks: list["Task"], entries: list) -> None:
+    """Return merged entries that were not applied to the front of their queues, each in its order."""
+    queues = {(rank, t.p): q for t in tasks for rank, q in enumerate(t.queues)}
+    for entry in reversed(entries):
+        queues[(entry[1], entry[2])].appendleft(entry)
 
 
 def _kill(step: str) -> None:
@@ -800,6 +813,7 @@ class SowLoop:
             return 0
         limit, step = self.batch_max, self.settings.chunk
         applied, blocked = 0, False
+        deadline = self._cycle_began + self.settings.max_cycle_ms / 1000
         bounds = None  # what may go (nothing is filed while this runs): found for the first merge
         while applied < limit:
             # The expiry clock is looked at before every merge: the first one comes after a commit,
@@ -819,15 +833,26 @@ class SowLoop:
                 # Progress resets the wait: it bounds how long the merge is stuck, not how long some
                 # input has been empty (during a long backlog the bounding input is emptied by every drain).
                 self._waiting_since.pop(topic, None)
+                cut = None
                 for at in range(0, len(taken), step):
+                    if (applied or at) and time.monotonic() >= deadline:
+                        cut = at
+                        break
                     began = time.perf_counter()
                     chunk = [entry[4] for entry in taken[at:at + step]]
                     self._applying = (engine, chunk, offsets)
-                    engine.handle(chunk, time.time_ns() // 1_000_000, out)
-                    for m in chunk:
+                    done = engine.handle(chunk, time.time_ns() // 1_000_000, out, deadline)
+                    for m in chunk[:done]:
                         offsets[(m.topic, m.partition)] = m.offset + 1
                     self._applying = None
                     _APPLY_SECONDS.inc(time.perf_counter() - began)
+                    if done < len(chunk):
+                        cut = at + done
+                        break
+                if cut is not None:  # the cycle ran its time: the rest go back, in order, for the next
+                    _put_back(tasks, taken[cut:])
+                    applied += cut
+                    break
                 applied += len(taken)
             if len(taken) < want:  # nothing more may go now
                 blocked = True
