@@ -13,7 +13,7 @@ Writing takes those values back (and what a publisher may pass: bytes, Decimal, 
 from __future__ import annotations
 
 import math
-from decimal import Decimal, InvalidOperation
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, InvalidOperation
 from typing import Any, Callable
 
 from processor.contract.errors import InputError
@@ -163,17 +163,28 @@ def _bytes_writer(at: str) -> Convert:
     return write
 
 
+# A context that rounds nothing: a decimal of any precision is read exactly.
+_EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
+
 def _decimal_reader(scale: int, precision: int | None, at: str) -> Convert:
     # A value's bytes may hold more digits than the schema declares (a megabyte of them, which
     # Python would not even turn into text): such a value is not of the schema.
     digits = precision if isinstance(precision, int) and precision > 0 else 4000
     max_bits = math.ceil(digits * math.log2(10))
+    bound = 0  # 10**digits, worked out when a value first comes near it (a schema may declare any precision)
 
-    def read(v: bytes) -> str:  # from text, so no context rounds it (28 digits): exact at any precision
+    def read(v: bytes) -> str:
+        nonlocal bound
         unscaled = int.from_bytes(v, "big", signed=True)
-        if abs(unscaled).bit_length() > max_bits:
-            raise InputError(f"{at}: a decimal with more digits than the schema's precision ({digits})")
-        return format(Decimal(f"{unscaled}e-{scale}"), "f")
+        magnitude = abs(unscaled)
+        if magnitude.bit_length() >= max_bits - 1:  # fewer bits tell a value under 10**digits at once
+            bound = bound or 10**digits
+            if magnitude >= bound:
+                raise InputError(f"{at}: a decimal with more digits than the schema's precision ({digits})")
+        # From the integer (not its text, which Python refuses past 4,300 digits), in a context that
+        # rounds nothing: exact at any precision.
+        return format(Decimal(unscaled).scaleb(-scale, _EXACT), "f")
 
     return read
 

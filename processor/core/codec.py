@@ -194,31 +194,37 @@ def _schema_shape(schema, named: dict) -> tuple[int, bool]:
     alone, and a value of a dozen bytes could claim 2**62 items that fastavro would append forever."""
     containers, recursive, open_names = 0, False, []
 
-    def walk(node, at: str) -> None:
+    def walk(node, at: str, bare: int) -> None:
+        # open_names[bare:]: the records entered since the last union, array or map (none of which
+        # a value passes without a byte)
         nonlocal containers, recursive
         if isinstance(node, str):
             recursive = recursive or node in open_names  # a reference to a type being defined
+            if node in open_names[bare:]:
+                raise ConfigError(f"{at or '/'}: the record {node} holds itself through record fields alone (no union, "
+                                  "array or map on the way): it has no finite value, and reading one could recurse without "
+                                  "reading a byte until the reader's stack overflows (make the field a union with null)")
         elif isinstance(node, list):
             containers += 1
             for branch in node:
-                walk(branch, at)
+                walk(branch, at, len(open_names))
         elif node["type"] in ("record", "error"):
             containers += 1
             open_names.append(node["name"])
             for field in node["fields"]:
-                walk(field["type"], f"{at}/{field['name']}")
+                walk(field["type"], f"{at}/{field['name']}", bare)
             open_names.pop()
         elif node["type"] == "array":
             containers += 1
             if _takes_no_bytes(node["items"], named, ()):
                 raise ConfigError(f"{at or '/'}: an array of items that take no bytes (null, a fixed of size 0, "
                                   "a record of only such fields) is a count alone, which a value could make any number")
-            walk(node["items"], at + "[]")
+            walk(node["items"], at + "[]", len(open_names))
         elif node["type"] == "map":
             containers += 1
-            walk(node["values"], at)
+            walk(node["values"], at, len(open_names))
 
-    walk(schema, "")
+    walk(schema, "", 0)
     return max(containers, 1), recursive
 
 

@@ -306,3 +306,38 @@ def test_a_decimal_with_more_digits_than_its_precision_is_an_input_error(tmp_pat
     for size in (8, 1 << 20):
         with pytest.raises(InputError, match=r"/amt: a decimal with more digits than the schema's precision \(12\)"):
             codec.decode(_zigzag(size) + b"\x7f" + b"\xff" * (size - 1))
+
+
+@pytest.mark.parametrize("holder", [
+    {"type": "record", "name": "Loop", "fields": [{"name": "self", "type": "Loop"}]},
+    {"type": "record", "name": "A", "fields": [{"name": "b", "type": {"type": "record", "name": "B", "fields": [{"name": "a", "type": "A"}]}}]},
+])
+def test_a_record_that_holds_itself_through_fields_alone_is_refused_with_the_schema(tmp_path, holder):
+    """Such a record has no finite value, and fastavro's C reader recurses into it without reading a
+    byte: a 2-byte value choosing it in a union was a segfault however short (the byte bound on the C
+    reader assumes every level of a recursive value takes a byte)."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "id", "type": "long"}, {"name": "x", "type": ["null", holder]}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    with pytest.raises(ConfigError, match=r"/x/(self|b/a): the record (Loop|A) holds itself through record fields alone"):
+        AvroCodec(path)
+    assert AvroCodec(SCHEMA).decode(AvroCodec(SCHEMA).encode({"order_id": 1})) == {"order_id": 1, "customer": None, "status": None, "qty": None, "px": None}
+
+
+@pytest.mark.parametrize("precision, unscaled, read", [(12, 10**12 - 1, "9999999999.99"), (12, 10**12, None), (12, 2**40 - 1, None),
+                                                       (2, 127, None), (3, 1000, None), (5000, -(10**4400), "-1" + "0" * 4398 + ".00")],
+                         ids=["12 digits", "13 digits", "13 digits in 40 bits", "127 in 2", "1000 in 3", "4401 digits in 5000"])
+def test_a_decimal_is_read_up_to_its_precision_exactly_at_any_precision(tmp_path, precision, unscaled, read):
+    """The bit length let a digit more than the precision through (127 with precision 2, 13 digits
+    with 12: refused only when `.sow` was written, by fastavro's own check), and a value of a schema
+    whose precision is over 4,300 digits was an internal error (Python refuses such an integer's text)."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "amt", "type": {"type": "bytes", "logicalType": "decimal", "precision": precision, "scale": 2}}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    codec = AvroCodec(path)
+    raw = unscaled.to_bytes((unscaled.bit_length() + 8) // 8, "big", signed=True)
+    if read is None:
+        with pytest.raises(InputError, match=rf"/amt: a decimal with more digits than the schema's precision \({precision}\)"):
+            codec.decode(_zigzag(len(raw)) + raw)
+    else:
+        assert codec.decode(_zigzag(len(raw)) + raw) == {"amt": read}
