@@ -14,6 +14,7 @@ back, so no conflated event is lost or sent twice across a crash or a rebalance.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -28,6 +29,7 @@ from processor.core.sow import Transition
 from processor.topology import SowTopic, View
 
 _INSERT = Op.INSERT.value.encode()
+log = logging.getLogger("ksow.views")
 
 
 @dataclass
@@ -131,21 +133,47 @@ class ViewProcessor:
             out.append(Output(self.spec.holds_topic, p, (self._prefix + key).encode(), None, []))
 
     def restore_hold(self, p: int, key: bytes, value: bytes | None) -> None:
-        """Take back one record of `<topic>.holds` (when a partition is assigned)."""
-        text = key.decode()
-        if not text.startswith(self._prefix):
+        """Take back one record of `<topic>.holds` (when a partition is assigned). `.holds` is a
+        plain Kafka topic: a record that is not one `_hold` writes is skipped and logged, so that it
+        cannot stop every worker that takes the partition."""
+        try:
+            text = key.decode() if key else ""
+        except UnicodeDecodeError:
+            text = ""
+        if not text.startswith(self._prefix) or len(text) == len(self._prefix):
             return
         sow_key = text[len(self._prefix):]
         waiting = self.pending.setdefault(p, {})
         if value is None:
             waiting.pop(sow_key, None)
             return
-        held = orjson.loads(value)
-        waiting[sow_key] = _Pending(held["due"], held["event"], [(k, v.encode()) for k, v in held["headers"]])
+        held = _held(value)
+        if held is None:
+            log.warning("skipped a record of %s (partition %d, key %r) that is not a held view event", self.spec.holds_topic, p, key[:100])
+            return
+        waiting[sow_key] = held
 
     def forget(self, p: int) -> None:
         """Drop partition p's holds (it was handed over: its new owner reads them back)."""
         self.pending.pop(p, None)
+
+
+def _held(value: bytes) -> _Pending | None:
+    """The held event a `.holds` record carries (as `_hold` writes it), or None."""
+    try:
+        held = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(held, dict):
+        return None
+    due, event, headers = held.get("due"), held.get("event"), held.get("headers")
+    if type(due) is not int or not isinstance(event, dict) or not isinstance(event.get("op"), str) or not isinstance(event.get("record"), dict):
+        return None
+    if not isinstance(headers, list) or not all(
+        isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and isinstance(h[1], str) for h in headers
+    ):
+        return None
+    return _Pending(due, event, [(k, v.encode()) for k, v in headers])
 
 
 def views_of(spec: SowTopic, views: Iterable[View]) -> list[ViewProcessor]:

@@ -610,3 +610,26 @@ def test_a_delete_by_filter_has_one_budget_for_all_the_partitions_of_a_worker(tm
     deleted = [r for r in out if r.topic == "orders.sow"]
     assert f"; {len(deleted)} records it matched were deleted" in hdr(err, "sow-error").decode()
     assert 0 < len(deleted) < 4 * 5
+
+
+def test_a_holds_record_not_written_by_a_worker_is_skipped_not_a_crash(tmp_path):
+    """`<topic>.holds` is a plain Kafka topic: a record there that is not a held view event (not
+    JSON, another shape, a key that is not text) stopped every worker that took the partition (its
+    restore raised). It is skipped; the records a worker wrote are still taken back."""
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}],
+                               "views": [{"name": "eu_conf", "topic": "orders", "filter": "/r = 'EU'", "conflation": "2s"}]})
+    proc = LocalTopic(topology.topic("orders"), tmp_path, views=topology.views_of("orders"))
+    out = by_topic(run(proc, [msg(proc, {"id": 1, "r": "EU"}, ts=1_000, partition=0)], now=1_000))
+    (good,) = out["orders.holds"]
+    (view,) = proc.engine.views
+    view.forget(0)
+    for key, value in [(b"0|k", b"not json"), (b"0|k", b"[]"), (b"0|k", b'{"due": "soon", "event": {}, "headers": []}'),
+                       (b"0|k", b'{"due": 1, "event": {"op": "insert", "record": 5}, "headers": []}'),
+                       (b"0|k", b'{"due": 1, "event": {"op": "insert", "record": {}}, "headers": [["sow-op", 3]]}'),
+                       (None, b"{}"), (b"\xff\xfe", b"{}"), (b"0|", b"{}")]:
+        view.restore_hold(0, key, value)
+    view.restore_hold(0, good.key, good.value)
+    assert list(view.pending[0]) == [good.key.decode()[2:]]
+    released: list = []
+    proc.engine.release_views(0, 10_000, released)
+    assert [(o.topic, hdr(o, "sow-op")) for o in released if o.topic == "eu_conf.diff"] == [("eu_conf.diff", b"insert")]
