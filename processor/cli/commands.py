@@ -538,7 +538,7 @@ def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, 
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
     if after_seq is not None and sow:
         _fail("--after resumes after a bookmark instead of starting with the SOW: drop --sow")
-    if timeout is not None and timeout < 0:
+    if timeout is not None and not timeout >= 0:  # NaN too: no idle time is ever over it, and it never stopped
         _fail(f"--timeout is seconds without events, never negative; got {timeout:g}")
     client = _client(bootstrap, topology)
     with _client_errors():

@@ -54,6 +54,7 @@ def test_bad_filter_points_at_the_position(run):
     (["subscribe", "orders", "--no-empties"], "--no-empties applies to --delta subscriptions"),
     (["subscribe", "orders", "--sow", "--after-seq", "5"], "drop --sow"),
     (["subscribe", "orders", "--timeout", "-1"], "--timeout is seconds without events, never negative; got -1"),
+    (["subscribe", "orders", "--timeout", "nan"], "--timeout is seconds without events, never negative; got nan"),
     (["subscribe", "orders", "--after-seq", "-5"], "an event ID (sow-seq) is never negative; got -5"),
     (["subscribe", "orders", "--after", "12,x"], "a bookmark is event IDs (sow-seq) separated by commas; got '12,x'"),
     (["subscribe", "orders", "--after", str(9 << 10 | 1000)], "is of partition 1000, and the topic has"),
