@@ -119,6 +119,18 @@ def conflate(pending: dict | None, delta: dict) -> dict:
 _GONE = ("oof", "delete", "expire", "evict")
 
 
+def _replaces_whole(pending: dict, delta: dict) -> bool:
+    """Whether merging `delta` into the held delta `pending` would put an object where `pending`
+    has something else: the merged delta would merge that object into the subscriber's copy, where
+    the events one by one set it whole (after the removal or the value `pending` told)."""
+    for name, value in delta.items():
+        if isinstance(value, dict) and name in pending:
+            old = pending[name]
+            if not isinstance(old, dict) or _replaces_whole(old, value):
+                return True
+    return False
+
+
 def conflate_event(pending: dict | None, event: dict, delta: bool) -> tuple[dict | None, dict | None]:
     """A conflation interval's events for one record, after `event` came: (the event to send now,
     the one to hold until the interval ends), either None.
@@ -139,6 +151,11 @@ def conflate_event(pending: dict | None, event: dict, delta: bool) -> tuple[dict
         return pending, event
     if op == _INSERT:
         return None, event
+    if delta and held != _INSERT and _replaces_whole(pending["record"], event["record"]):
+        # An object where the held delta leaves a removal (null), a number, a string or an array:
+        # the subscriber merges a delta's object into the one it holds, which may have more
+        # fields than this one, so no single delta can tell it. The held one goes at once.
+        return pending, event
     merged = dict(event)
     if delta:
         merged["record"] = conflate(pending["record"], event["record"])

@@ -1,7 +1,8 @@
 """What a subscriber sees: seed 001's examples, focus (oof), select lists, empties, conflation."""
 
 import orjson
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from processor.contract.types import Op
@@ -219,3 +220,60 @@ def test_a_resumed_removal_says_which_record_went_without_a_sowkey():
     # the version removed unknown to the reader, or no key fields (publisher SowKeys): the SowKey says which
     assert quiet.resumed(Op.DELETE, "K", 7, None) == {"op": "delete", "seq": 7, "record": None, "sow_key": "K"}
     assert SubscriptionSpec(no_sowkey=True).resumed(Op.DELETE, "K", 7, None, None, {"v": 2})["sow_key"] == "K"
+
+
+@pytest.mark.parametrize("steps", [
+    [{"id": 1, "m": {"x": 0, "y": 0}}, {"id": 1}, {"id": 1, "m": {"x": 1}}],  # removed, back smaller
+    [{"id": 1, "m": {"x": 0, "y": 0}}, {"id": 1, "m": 5}, {"id": 1, "m": {"x": 1}}],  # a number, then an object again
+    [{"id": 1, "m": {"x": 0, "y": 0}}, {"id": 1, "m": [1]}, {"id": 1, "m": {"x": 1}}],  # an array, then an object
+    [{"id": 1, "m": {"x": {"a": 0, "b": 0}}}, {"id": 1, "m": {"x": 3}}, {"id": 1, "m": {"x": {"a": 1}}}],  # one level down
+])
+def test_a_conflated_delta_subscriber_gets_an_object_back_whole_after_its_removal(steps):
+    """Audit: `m` removed (delta null), then published again with fewer fields, within one
+    interval: the merged delta {"m": {"x": 1}} was merged into the subscriber's old `m`, which
+    kept "y", where the events one by one leave {"x": 1}. The held delta now goes at once."""
+    sub = SubscriptionSpec(delta=True, key_paths=ID_KEY)
+    plain, conflated = {"k": steps[0]}, {"k": steps[0]}
+    pending = None
+    for n, (before, after) in enumerate(zip(steps, steps[1:])):
+        event = sub.change(Op.UPDATE, "k", n, before, after)
+        _apply(plain, "k", event, True)
+        now_sent, pending = conflate_event(pending, event, True)
+        if now_sent is not None:
+            _apply(conflated, "k", now_sent, True)
+    _apply(conflated, "k", pending, True)
+    assert _without_nulls(plain["k"]) == steps[-1]
+    assert _without_nulls(conflated["k"]) == steps[-1]
+
+
+nested_record = st.fixed_dictionaries({"id": st.just(1), "region": st.sampled_from(["EU", "US"])},
+                                      optional={"m": st.one_of(st.integers(0, 2), st.dictionaries(st.sampled_from("xy"), st.integers(0, 2) | st.dictionaries(st.sampled_from("ab"), st.integers(0, 2), max_size=2), max_size=2))})
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(nested_record, st.booleans()), min_size=1, max_size=12), st.booleans())
+@example([({"id": 1, "region": "EU", "m": {"x": 0, "y": 0}}, True), ({"id": 1, "region": "EU"}, False),
+          ({"id": 1, "region": "EU", "m": {"x": 1}}, False)], False)
+def test_a_conflated_delta_subscriber_ends_each_interval_where_an_unconflated_one_is_with_nested_objects(changes, oof):
+    """As the test above for flat records, with objects that come, go, shrink and turn into numbers."""
+    sub = SubscriptionSpec(filter=lambda r: r.get("region") == "EU", delta=True, oof=oof, key_paths=ID_KEY)
+    record = None
+    plain: dict = {}
+    conflated: dict = {}
+    pending = None
+    for n, (after, flush) in enumerate(changes + [(None, True)]):
+        if after is None and record is None:
+            break
+        before, record = record, after
+        op = Op.DELETE if after is None else Op.UPDATE if before is not None else Op.INSERT
+        event = sub.change(op, "k", n, before, after)
+        if event is not None:
+            _apply(plain, "k", event, True)
+            now_sent, pending = conflate_event(pending, event, True)
+            if now_sent is not None:
+                _apply(conflated, "k", now_sent, True)
+        if flush:
+            if pending is not None:
+                _apply(conflated, "k", pending, True)
+            pending = None
+            assert {k: _without_nulls(v) for k, v in conflated.items()} == {k: _without_nulls(v) for k, v in plain.items()}, changes
