@@ -160,10 +160,12 @@ class SowPartition:
             # Refused (InputError, nothing emitted) when the record or its diff is over the size a
             # Kafka message may have.
             render(t, self.p, self.codec, self.streams, self._sink(out), stored, self.max_bytes)
-        for listener in self.listeners:
-            listener.on_change(self.p, t, out)
+        # Stored before the views hear of it: a runner's buffer produces `.sow` at once, so should a
+        # view fail on the record, the store still holds what `.sow` says.
         if stored:
             state.put(key, t.after)  # type: ignore[arg-type]
+        for listener in self.listeners:
+            listener.on_change(self.p, t, out)
 
     def _make_room(self, at: int, now: int, out: list) -> None:
         """Before a new record (sent at `at`): evict the least recently updated record(s), or refuse

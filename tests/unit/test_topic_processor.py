@@ -633,3 +633,22 @@ def test_a_holds_record_not_written_by_a_worker_is_skipped_not_a_crash(tmp_path)
     released: list = []
     proc.engine.release_views(0, 10_000, released)
     assert [(o.topic, hdr(o, "sow-op")) for o in released if o.topic == "eu_conf.diff"] == [("eu_conf.diff", b"insert")]
+
+
+def test_a_view_that_fails_on_a_record_leaves_the_store_as_sow_tells_it(tmp_path, monkeypatch):
+    """Review: a write put its record on `.sow` (a worker's buffer produces at once), then told the
+    views, then stored it: a view that raised left the input on `.errors` as an internal error and
+    `.sow` ahead of the store, which queries read. The store now holds the record first."""
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}],
+                               "views": [{"name": "eu", "topic": "orders", "filter": "/r = 'EU'"}]})
+    proc = LocalTopic(topology.topic("orders"), tmp_path, views=topology.views_of("orders"))
+    (view,) = proc.engine.views
+
+    def broken(p, t, out):
+        raise RuntimeError("view failed")
+
+    monkeypatch.setattr(view, "on_change", broken)
+    out = by_topic(run(proc, [msg(proc, {"id": 1, "r": "EU"}, partition=0)]))
+    assert [orjson.loads(o.value) for o in out["orders.sow"]] == [{"id": 1, "r": "EU"}]
+    assert b"internal error: RuntimeError: view failed" in hdr(out["orders.errors"][0], "sow-error")
+    assert [rec.data for store in proc.stores.values() for _, rec in store.records()] == [{"id": 1, "r": "EU"}]
