@@ -426,7 +426,7 @@ class Client:
 
         now = time.monotonic()
         if fresh or self._registry is None or now - self._registry[0] > REGISTRY_CACHE_S:
-            self._registry = (now, live_workers(self.bootstrap, self.group))
+            self._registry = (now, live_workers(self.bootstrap, self.group, self.web_token))
         return self._registry[1]
 
     def _query_changelog(self, spec: SowTopic, query: SowQuery) -> list[dict]:

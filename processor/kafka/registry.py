@@ -7,6 +7,8 @@ ignore entries older than STALE_MS, which covers workers that died without sayin
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import time
@@ -35,17 +37,28 @@ def ensure_registry(admin, replication_factor: int | None = None, min_insync_rep
     )
 
 
-def announcement(group: str, url: str, served: dict[str, list[int]]) -> tuple[bytes, bytes]:
+def announcement(group: str, url: str, served: dict[str, list[int]], token: str | None = None) -> tuple[bytes, bytes]:
+    """A worker's registry entry; with its web token, signed (`signature`), so that a client holding
+    the token sends it only to workers that hold it too."""
     key = f"{group}|{url}".encode()
-    value = orjson.dumps({"group": group, "url": url, "topics": served, "at": int(time.time() * 1000)})
-    return key, value
+    entry: dict = {"group": group, "url": url, "topics": served, "at": int(time.time() * 1000)}
+    if token:
+        entry["sig"] = signature(token, key, entry)
+    return key, orjson.dumps(entry)
 
 
-def live_workers(bootstrap: str, group: str) -> list[dict]:
+def signature(token: str, key: bytes | None, entry: dict) -> str:
+    """HMAC-SHA256, keyed with the web token, of an entry's key and its fields but `sig`."""
+    fields = orjson.dumps({k: v for k, v in entry.items() if k != "sig"}, option=orjson.OPT_SORT_KEYS)
+    return hmac.new(token.encode(), (key or b"") + b"\n" + fields, hashlib.sha256).hexdigest()
+
+
+def live_workers(bootstrap: str, group: str, token: str | None = None) -> list[dict]:
     """The workers of a group that announced themselves recently, with a valid entry.
 
     Anything can write to `__ksow_workers`: an entry that is not what a worker writes (see
-    `entry_problem`) is skipped and logged once, so a junk entry cannot break queries."""
+    `entry_problem`) is skipped and logged once, so a junk entry cannot break queries. With a web
+    token, an entry must be signed with it: the client sends the token to the URLs found here."""
     told: list[KafkaError] = []
     consumer = make_consumer(bootstrap, error_cb=told.append)
     try:
@@ -82,7 +95,10 @@ def live_workers(bootstrap: str, group: str) -> list[dict]:
         if problem is not None:
             _report(key, value, problem)
         elif entry["group"] == group and now - entry["at"] < STALE_MS:
-            workers.append(entry)
+            if token and not signed(token, key, entry):
+                _report(key, b"", "not signed with this client's web token (KSOW_WEB_TOKEN): the token is not sent to its url")
+            else:
+                workers.append(entry)
     return workers
 
 
@@ -92,6 +108,17 @@ _reported_refusal: set[str] = set()
 # What reading the registry's offsets fails with when it does not exist (or may not be seen).
 _NO_REGISTRY = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
                           KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.TOPIC_AUTHORIZATION_FAILED})
+
+
+def signed(token: str, key: bytes | None, entry: dict) -> bool:
+    """Whether a registry entry carries the signature (`sig`) a worker with this web token makes."""
+    sig = entry.get("sig")
+    if not isinstance(sig, str):
+        return False
+    try:
+        return hmac.compare_digest(sig.encode(), signature(token, key, entry).encode())
+    except (orjson.JSONEncodeError, UnicodeEncodeError):  # fields nested deeper than orjson writes, a lone surrogate
+        return False
 
 
 def entry_problem(key: bytes | None, entry: object) -> str | None:

@@ -175,3 +175,27 @@ def test_a_new_connection_never_inherits_a_closed_ones_quiet_time():
         sweeper.sweep([handler], float(second))
         assert not handler.closed, second
         del handler
+
+
+def test_a_client_with_a_token_takes_only_entries_signed_with_it():
+    """Audit: anyone who may write to `__ksow_workers` could announce their own URL for the
+    workers' group, and every client sent its KSOW_WEB_TOKEN there (and took its answers). A worker
+    with a token signs its entry with it; a client with a token skips any entry not so signed."""
+    from processor.kafka.registry import signed
+
+    key, value = announcement("g", "http://10.0.0.5:8080", {"orders": [0, 1]}, token="s3cret")
+    entry = orjson.loads(value)
+    assert entry_problem(key, entry) is None and signed("s3cret", key, entry)
+    assert not signed("other", key, entry)
+    _, forged = _entry(url="http://evil.example:80")
+    assert entry_problem(b"g|http://evil.example:80", forged) is None  # well formed, but
+    assert not signed("s3cret", b"g|http://evil.example:80", forged)  # not the workers'
+    # the signature of a real entry does not carry over to another URL, group, partitions or time
+    for changes in ({"url": "http://evil.example:80"}, {"group": "h"}, {"topics": {"orders": [0, 1, 2]}}, {"at": entry["at"] + 1}):
+        moved = {**entry, **changes}
+        assert not signed("s3cret", f"{moved['group']}|{moved['url']}".encode(), moved), changes
+    assert not signed("s3cret", key, {**entry, "sig": 42})
+    deep: object = 1
+    for _ in range(400):
+        deep = [deep]
+    assert not signed("s3cret", key, {**entry, "extra": deep})  # junk makes no error either

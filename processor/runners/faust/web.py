@@ -324,4 +324,4 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
         if served == last["served"] and now - last["at"] < REFRESH_S:
             return
         last["served"], last["at"] = served, now
-        worker.announce(*announcement(worker.group, settings.url, served))
+        worker.announce(*announcement(worker.group, settings.url, served, settings.token))
