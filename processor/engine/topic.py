@@ -19,7 +19,7 @@ from processor.contract.errors import BatchAborted, InputError
 from processor.contract.limits import delete_filter_seconds
 from processor.contract.types import Command, InputMessage, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
-from processor.core.changelog import parse_sow_message
+from processor.core.changelog import MalformedSowMessage, parse_sow_message
 from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
@@ -34,6 +34,12 @@ log = logging.getLogger("ksow.engine")
 _RECENT_OWNERS = 1 << 17  # SowKeys whose owner an engine remembers (cleared whole past that)
 
 _LOCAL = (H.LOCAL, b"1")
+
+# The event IDs a restore takes from `<topic>.sow`: a worker's are positive and far below 2**62 (the
+# clock floors the counter at epoch ms * 1000, 2**62 is past the year 2100). A negative one cannot be
+# stored (the age index keys it unsigned), and one near 2**63 would leave the next event ID past 64
+# bits: every later write of the partition would fail to commit.
+_MAX_RESTORED_SEQ = 1 << 62
 
 
 class SowTopicEngine:
@@ -74,6 +80,8 @@ class SowTopicEngine:
         MalformedSowMessage on a record that is not a SOW record (the runner skips it)."""
         change = parse_sow_message(self.codec, key, value, headers)
         seq = change.seq or 0
+        if not 0 <= seq < _MAX_RESTORED_SEQ:
+            raise MalformedSowMessage(f"{H.SEQ} {seq} is not an event ID a worker writes (0 to 2**62)")
         if seq:
             state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
         if change.record is None:
