@@ -15,6 +15,7 @@ back, so no conflated event is lost or sent twice across a crash or a rebalance.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -151,6 +152,9 @@ class ViewProcessor:
         if held is None:
             log.warning("skipped a record of %s (partition %d, key %r) that is not a held view event", self.spec.holds_topic, p, key[:100])
             return
+        # `_hold` sets a due one interval after the change: one further out than that from now (a
+        # forged or garbled record) would hold the record's events for ever, merging every later one.
+        held.due = min(held.due, time.time_ns() // 1_000_000 + self.conflation_ms)
         waiting[sow_key] = held
 
     def forget(self, p: int) -> None:
@@ -172,6 +176,10 @@ def _held(value: bytes) -> _Pending | None:
     if not isinstance(headers, list) or not all(
         isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and isinstance(h[1], str) for h in headers
     ):
+        return None
+    try:  # released as it is: a record orjson cannot write (nested past its 254 levels) would fail every release
+        orjson.dumps(event)
+    except orjson.JSONEncodeError:
         return None
     return _Pending(due, event, [(k, v.encode()) for k, v in headers])
 
