@@ -129,6 +129,22 @@ _CHANGES = st.lists(st.tuples(st.sampled_from(["publish", "delta", "delete"]), s
                               st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=25)
 
 
+def _tell_both(plain: dict, conflated: dict, pending: dict | None, event: dict, delta: bool) -> dict | None:
+    """An event to an unconflated subscriber at once, and through conflation to another; what the
+    conflated one holds after it."""
+    _apply(plain, "k", event, delta)
+    now_sent, pending = conflate_event(pending, event, delta)
+    if now_sent is not None:
+        _apply(conflated, "k", now_sent, delta)
+    return pending
+
+
+def _end_interval(conflated: dict, pending: dict | None, delta: bool) -> None:
+    """The conflation interval ends: the held event goes."""
+    if pending is not None:
+        _apply(conflated, "k", pending, delta)
+
+
 @given(_CHANGES, st.booleans(), st.booleans())
 def test_a_conflated_subscriber_ends_each_interval_where_an_unconflated_one_is(changes, delta, oof):
     """Whatever a record goes through within an interval (in and out of the filter, deleted and
@@ -157,14 +173,9 @@ def test_a_conflated_subscriber_ends_each_interval_where_an_unconflated_one_is(c
         event = sub.change(op, "k", n, before, after)
         if event is None:
             continue
-        _apply(plain, "k", event, delta)
-        now_sent, pending = conflate_event(pending, event, delta)
-        if now_sent is not None:
-            _apply(conflated, "k", now_sent, delta)
+        pending = _tell_both(plain, conflated, pending, event, delta)
         if flush:
-            if pending is not None:
-                _apply(conflated, "k", pending, delta)
-            pending = None
+            pending = _end_interval(conflated, pending, delta)
             assert conflated == plain, (changes, delta, oof)
 
 
@@ -268,12 +279,7 @@ def test_a_conflated_delta_subscriber_ends_each_interval_where_an_unconflated_on
         op = Op.DELETE if after is None else Op.UPDATE if before is not None else Op.INSERT
         event = sub.change(op, "k", n, before, after)
         if event is not None:
-            _apply(plain, "k", event, True)
-            now_sent, pending = conflate_event(pending, event, True)
-            if now_sent is not None:
-                _apply(conflated, "k", now_sent, True)
+            pending = _tell_both(plain, conflated, pending, event, True)
         if flush:
-            if pending is not None:
-                _apply(conflated, "k", pending, True)
-            pending = None
+            pending = _end_interval(conflated, pending, True)
             assert {k: _without_nulls(v) for k, v in conflated.items()} == {k: _without_nulls(v) for k, v in plain.items()}, changes
