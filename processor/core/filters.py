@@ -528,10 +528,8 @@ def _compare_values(op: Callable, a: Any, b: Any) -> bool | None:
     return _compare_scalars(op, a, b)
 
 
-def _leaves(value: Any) -> list:
+def _leaves(value: list) -> list:
     """The values of nested arrays, flattened (without recursion: arrays nest up to 200 deep)."""
-    if type(value) is not list:
-        return [value]
     out: list = []
     todo = [value]
     while todo:

@@ -228,7 +228,7 @@ class SowPartition:
                 if removed % chunk == 0:
                     checkpoint(out)
         except _OverBudget as over:
-            done = removed + (budget.removed if budget is not None else 0)
+            done = removed + budget.removed  # type: ignore[union-attr]  # only a filter (which has its budget) runs over
             raise InputError(f"the sow-filter took over {over.budget:g}s testing this worker's records (stopped in "
                              f"partition {self.p}; KSOW_DELETE_FILTER_SECONDS); {done} records it matched were deleted, the rest "
                              "were not, nor those of other workers' partitions (a LIKE with large counted "
