@@ -8,6 +8,7 @@ has them: dates, times and timestamps as their int/long numbers, uuids as string
 strings of code points 0-255. Decimals (bytes or fixed) become the decimal's text ("12.34": exact,
 and filters compare it as a number). NaN and infinite floats have no JSON form and are refused.
 Writing takes those values back (and what a publisher may pass: bytes, Decimal, datetime).
+Before fastavro reads a value, `wire_check` refuses bytes that it would read as another value.
 """
 
 from __future__ import annotations
@@ -218,3 +219,229 @@ def _finite(at: str) -> Convert:
 def converters(schema: Any, named: dict) -> tuple[Convert | None, Convert | None]:
     """(Avro -> core, core -> Avro) converters of a parsed schema's records; None where none is needed."""
     return _Converters(named, True).of(schema, ""), _Converters(named, False).of(schema, "")
+
+
+# fastavro reads some malformed values as other values, without a word: it looks up a union's
+# branch and an enum's symbol with Python's indexing (a negative index picks one from the end),
+# reads an int or a long to its last byte however many there are (its C reader wraps past 64 bits,
+# its Python reader grows past them), keeps an int past 32 bits, and takes any byte but 0 as a true
+# boolean (Java's reader takes 1 alone). `wire_check` walks a value's bytes as fastavro reads them
+# and refuses those.
+
+Check = Callable[[bytes, int], int]  # (a value's bytes, where a part starts) -> where it ends
+Part = Check | int  # a part that always takes the same number of bytes is that number
+
+# In a schema with no union, enum, int or boolean only a long can be malformed so (a length and a
+# count are longs too), and a long past 64 bits or 10 bytes has 9 bytes in a row with their high bit
+# set, which most values do not have (ASCII text, numbers under 2**56): a scan of ~0.3 us finds them.
+_HIGH_BITS = bytes(b & 0x80 for b in range(256))
+_NINE_HIGH = b"\x80" * 9
+
+
+def wire_check(schema: Any, named: dict) -> Callable[[bytes], None]:
+    """A check of values of the parsed `schema` (`named`: its named types) that raises InputError on
+    bytes fastavro would read as another value. Bytes that end too soon are left to fastavro, which
+    refuses them."""
+    parts = _WireChecks(named)
+    check = _as_check(parts.of(schema, ""))
+    always = parts.always
+
+    def check_wire(data: bytes) -> None:
+        if always or _NINE_HIGH in data.translate(_HIGH_BITS):
+            try:
+                check(data, 0)
+            except IndexError:  # read past the end: the value ends too soon
+                pass
+
+    return check_wire
+
+
+def _refuse(at: str, why: str) -> InputError:
+    return InputError(f"{at or '/'}: {why}")
+
+
+def _varint(data: bytes, pos: int, bits: int, what: str, at: str) -> tuple[int, int]:
+    """(the zig-zag varint at `pos` as written, where it ends); InputError past `bits` bits, or past
+    the bytes they take."""
+    n = shift = 0
+    size = (bits + 6) // 7
+    for end in range(pos, pos + size):
+        byte = data[end]
+        n |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if n >> bits:
+                raise _refuse(at, f"{what} past {bits} bits")
+            return n, end + 1
+        shift += 7
+    raise _refuse(at, f"{what} in more than {size} bytes")
+
+
+def _zigzag(n: int) -> int:
+    return (n >> 1) ^ -(n & 1)
+
+
+def _as_check(part: Part) -> Check:
+    return part if not isinstance(part, int) else (lambda data, pos: pos + part)
+
+
+class _WireChecks:
+    """Checks of a parsed schema's parts, each reading what fastavro reads; a record is built once
+    (a recursive one must be), other types where they are used (their messages name that place)."""
+
+    def __init__(self, named: dict):
+        self.named = named  # full name -> parsed definition (fastavro's named_schemas)
+        self.records: dict[str, Part | None] = {}  # None: being built (a recursive record)
+        self.always = False  # whether a malformed value may lack a run of high bits (_NINE_HIGH)
+
+    def of(self, schema: Any, at: str) -> Part:
+        if isinstance(schema, list):
+            return self._union(schema, at)
+        if isinstance(schema, str) and schema in self.named:
+            if schema not in self.records:
+                return self.of(self.named[schema], at)
+            record = self.records[schema]
+            return record if record is not None else (lambda data, pos: self.records[schema](data, pos))
+        kind = schema if isinstance(schema, str) else schema["type"]
+        if kind in ("record", "error"):
+            return self._record(schema, at)
+        if kind == "enum":
+            return self._enum(len(schema["symbols"]), schema["name"], at)
+        if kind == "array":
+            return self._blocks(self.of(schema["items"], at + "[]"), None, "an array", at)
+        if kind == "map":
+            return self._blocks(self.of(schema["values"], at), self._sized("a map key", at), "a map", at)
+        if kind == "int":
+            self.always = True
+            return self._number(32, "an int", at)
+        if kind == "long":
+            return self._number(64, "a long", at)
+        if kind == "boolean":
+            self.always = True
+            return self._boolean(at)
+        if kind in ("string", "bytes"):
+            return self._sized("a string" if kind == "string" else "a bytes value", at)
+        return schema["size"] if kind == "fixed" else {"null": 0, "float": 4, "double": 8}[kind]
+
+    def _record(self, schema: dict, at: str) -> Part:
+        name = schema["name"]
+        self.records[name] = None
+        parts: list[Part] = []
+        for field in schema["fields"]:
+            part = self.of(field["type"], f"{at}/{field['name']}")
+            if not isinstance(part, int):
+                parts.append(part)
+            elif parts and isinstance(parts[-1], int):
+                parts[-1] += part  # fields of fixed sizes in a row are skipped at once
+            elif part:
+                parts.append(part)
+        if len(parts) <= 1:
+            record = parts[0] if parts else 0
+        else:
+            checks = [_as_check(part) for part in parts]
+
+            def record(data: bytes, pos: int) -> int:
+                for check in checks:
+                    pos = check(data, pos)
+                return pos
+
+        self.records[name] = record
+        return record
+
+    def _union(self, branches: list, at: str) -> Check:
+        self.always = True
+        parts = [self.of(branch, at) for branch in branches]
+        count = len(parts)
+
+        def union(data: bytes, pos: int) -> int:
+            n = data[pos]
+            if n < 0x80:
+                pos += 1
+            else:
+                n, pos = _varint(data, pos, 32, "a union's branch index", at)  # an int, as Avro writes it
+            if n & 1 or n >> 1 >= count:
+                raise _refuse(at, f"a union's branch index {_zigzag(n)} (the union has {count} branches)")
+            part = parts[n >> 1]
+            return pos + part if part.__class__ is int else part(data, pos)
+
+        return union
+
+    def _enum(self, count: int, name: str, at: str) -> Check:
+        self.always = True
+
+        def enum(data: bytes, pos: int) -> int:
+            n = data[pos]
+            if n < 0x80:
+                pos += 1
+            else:
+                n, pos = _varint(data, pos, 32, "an enum's index", at)
+            if n & 1 or n >> 1 >= count:
+                raise _refuse(at, f"an enum's index {_zigzag(n)} (the enum {name} has {count} symbols)")
+            return pos
+
+        return enum
+
+    def _blocks(self, item: Part, key: Check | None, what: str, at: str) -> Check:
+        """An array's items or a map's entries (`key`: a map's), in blocks: a count (negative: its
+        byte size follows, which fastavro reads and ignores) and that many, up to a count of 0."""
+        check = _as_check(item)
+        size = item if isinstance(item, int) and key is None else None  # items of a fixed size are skipped at once
+
+        def blocks(data: bytes, pos: int) -> int:
+            while True:
+                n = data[pos]
+                if n < 0x80:
+                    pos += 1
+                else:
+                    n, pos = _varint(data, pos, 64, f"{what}'s block count", at)
+                if not n:
+                    return pos
+                count = _zigzag(n)
+                if count < 0:
+                    count = -count
+                    pos = _varint(data, pos, 64, f"{what}'s block size", at)[1]
+                if size is not None:
+                    pos += count * size
+                else:
+                    for _ in range(count):  # each reads a byte at least: the loop ends with the value
+                        if key is not None:
+                            pos = key(data, pos)
+                        pos = check(data, pos)
+
+        return blocks
+
+    def _sized(self, what: str, at: str) -> Check:
+        """A length, and that many bytes: a string, bytes, a map's key."""
+
+        def sized(data: bytes, pos: int) -> int:
+            n = data[pos]
+            if n < 0x80:
+                pos += 1
+            else:
+                n, pos = _varint(data, pos, 64, f"{what}'s length", at)
+            if n & 1:
+                raise _refuse(at, f"{what} of length {_zigzag(n)}")
+            return pos + (n >> 1)
+
+        return sized
+
+    def _number(self, bits: int, what: str, at: str) -> Check:
+        longest = (bits + 6) // 7
+
+        def number(data: bytes, pos: int) -> int:
+            if data[pos] < 0x80:
+                return pos + 1
+            end = pos + 1
+            while data[end] > 0x7F:
+                end += 1
+            # shorter than the longest, a number fits its bits: only a longest one is read for them
+            return end + 1 if end - pos < longest - 1 else _varint(data, pos, bits, what, at)[1]
+
+        return number
+
+    def _boolean(self, at: str) -> Check:
+        def boolean(data: bytes, pos: int) -> int:
+            if data[pos] > 1:
+                raise _refuse(at, f"a boolean's byte {data[pos]} (Avro writes 0 for false, 1 for true)")
+            return pos + 1
+
+        return boolean

@@ -117,7 +117,7 @@ class AvroCodec:
         import fastavro
         from fastavro import _read_py  # fastavro's pure-Python reader (its own fallback without the C extension)
 
-        from processor.core.avro import converters, without_logical_types
+        from processor.core.avro import converters, wire_check, without_logical_types
 
         self._fastavro = fastavro
         self._python_reader = _read_py.schemaless_reader
@@ -130,7 +130,8 @@ class AvroCodec:
         except (ValueError, TypeError, KeyError, AttributeError, fastavro.schema.SchemaParseException) as exc:  # JSON, UTF-8, schema
             raise ConfigError(f"the Avro schema {schema_path} is not a valid schema: {exc}") from None
         # Read without logical types, so values are the JSON ones a store keeps (processor.core.avro).
-        self._wire = fastavro.parse_schema(without_logical_types(raw))
+        wire_named: dict = {}
+        self._wire = fastavro.parse_schema(without_logical_types(raw), named_schemas=wire_named)
         self._to_core, self._to_avro = converters(self.schema, named)
         try:
             containers, recursive = _schema_shape(self.schema, named)
@@ -138,6 +139,7 @@ class AvroCodec:
             raise ConfigError(f"the Avro schema {schema_path}: {exc}") from None
         # A value longer than this may nest deep enough to overflow the C reader's stack (_C_READER_LEVELS).
         self._c_reader_bytes = _C_READER_LEVELS // containers if recursive else sys.maxsize
+        self._check_wire = wire_check(self._wire, wire_named)
 
     def decode(self, data: bytes) -> dict:
         buffer = io.BytesIO(data)
@@ -146,6 +148,7 @@ class AvroCodec:
         # stops at Python's recursion limit (RecursionError).
         read = self._fastavro.schemaless_reader if len(data) <= self._c_reader_bytes else self._python_reader
         try:
+            self._check_wire(data)  # bytes fastavro would read as another value
             record = read(buffer, self._wire, None)
         except RecursionError:
             raise InputError(_TOO_DEEP) from None

@@ -1,6 +1,9 @@
 """The Avro message type: records in and out through fastavro with the topology's schema."""
 
 import io
+import itertools
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +11,8 @@ from pathlib import Path
 import fastavro
 import orjson
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from processor.contract.errors import ConfigError, InputError
 from processor.core.codec import AvroCodec
@@ -174,10 +179,11 @@ def test_the_client_publishes_avro_logical_values_and_keys_them_as_the_worker_re
 def test_an_avro_value_with_bytes_left_over_goes_to_errors_naming_confluent_framing():
     """Confluent's serializers put a magic byte 0 and a 4-byte schema id before the record: read as
     plain Avro it decoded to a made-up record (order 0, px 4.8e180), and two of them overwrote each
-    other without a word. Any bytes left after the record now refuse the value."""
+    other without a word. Any bytes left after the record now refuse the value (this one is refused
+    before: read as plain Avro, its fifth byte is a union's branch index -1)."""
     codec = AvroCodec(SCHEMA)
     good = encode({"order_id": 301, "status": "open"})
-    with pytest.raises(InputError, match=r"bytes left after it \(it starts as Confluent's wire format does: magic byte 0, schema id 1;"):
+    with pytest.raises(InputError, match=r"\(it starts as Confluent's wire format does: magic byte 0, schema id 1;"):
         codec.decode(b"\x00" + (1).to_bytes(4, "big") + good)
     with pytest.raises(InputError, match=r"8 bytes left after it$"):
         codec.decode(good + b"trailing")
@@ -341,3 +347,268 @@ def test_a_decimal_is_read_up_to_its_precision_exactly_at_any_precision(tmp_path
             codec.decode(_zigzag(len(raw)) + raw)
     else:
         assert codec.decode(_zigzag(len(raw)) + raw) == {"amt": read}
+
+
+def _codec(tmp_path, fields) -> AvroCodec:
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps({"type": "record", "name": "R", "fields": fields}).decode())
+    return AvroCodec(path)
+
+
+def test_a_negative_union_branch_or_enum_index_goes_to_errors_not_to_a_branch_from_the_end(tmp_path):
+    """fastavro looks a union's branch and an enum's symbol up with Python's indexing: index -1 of
+    ["null", "string", "long"] read the next bytes as the long, and -1 of an enum was its last symbol."""
+    schema = {"type": "record", "name": "R", "fields": [{"name": "id", "type": "long"}, {"name": "v", "type": ["null", "string", "long"]},
+                                                        {"name": "side", "type": {"type": "enum", "name": "Side", "symbols": ["BUY", "SELL"]}}]}
+    path = tmp_path / "r.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    spec = parse_topology({"sow": [{"topic": "t", "key": ["/id"], "partitions": 1, "message_type": "avro", "schema": str(path)}]}).topic("t")
+    proc = LocalTopic(spec, tmp_path / "state")
+    cases = [(_zigzag(-1) + _zigzag(21) + _zigzag(0), b"/v: a union's branch index -1 (the union has 3 branches)"),
+             (_zigzag(3) + _zigzag(0), b"/v: a union's branch index 3 (the union has 3 branches)"),
+             (_zigzag(0) + _zigzag(-1), b"/side: an enum's index -1 (the enum Side has 2 symbols)")]
+    for offset, (tail, why) in enumerate(cases):
+        sent = proc.handle([InputMessage("t", 0, offset, None, _zigzag(7) + tail, [], 1_000)], now=1_000)
+        assert [r.topic for r in sent] == ["t.errors"], sent
+        assert dict(sent[0].headers)["sow-error"] == b"value is not valid Avro for the topic schema: " + why
+    assert AvroCodec(path).decode(_zigzag(7) + _zigzag(2) + _zigzag(21) + _zigzag(1)) == {"id": 7, "v": 21, "side": "SELL"}
+
+
+@pytest.mark.parametrize("fields, data, why", [
+    ([{"name": "n", "type": "long"}], b"\x80" * 10 + b"\x01", "/n: a long in more than 10 bytes"),  # read as 32
+    ([{"name": "n", "type": "long"}], b"\x80" * 9 + b"\x02", "/n: a long past 64 bits"),  # read as 0
+    ([{"name": "s", "type": "string"}], b"\x82" + b"\x80" * 9 + b"\x00ab", "/s: a string's length in more than 10 bytes"),
+    ([{"name": "n", "type": "int"}], _zigzag(2**31), "/n: an int past 32 bits"),  # kept as 2147483648
+    ([{"name": "n", "type": "int"}], b"\x82\x80\x80\x80\x80\x00", "/n: an int in more than 5 bytes"),
+    ([{"name": "b", "type": "boolean"}], b"\x02", "/b: a boolean's byte 2 (Avro writes 0 for false, 1 for true)"),  # read as true
+], ids=["long in 11 bytes", "long past 64 bits", "length in 11 bytes", "int past 32 bits", "int in 6 bytes", "boolean 2"])
+def test_a_number_past_its_bits_or_bytes_or_a_boolean_past_1_is_refused_not_read_as_another(tmp_path, fields, data, why):
+    """fastavro read a varint to its last byte however long (its C reader wrapping past 64 bits),
+    kept an int past 32 bits, and took any byte but 0 as true (Java's reader takes 1 alone)."""
+    with pytest.raises(InputError, match="^value is not valid Avro for the topic schema: " + re.escape(why) + "$"):
+        _codec(tmp_path, fields).decode(data)
+
+
+def test_the_widest_numbers_and_padded_ones_within_their_bytes_are_read(tmp_path):
+    codec = _codec(tmp_path, [{"name": "n", "type": "long"}, {"name": "i", "type": "int"}, {"name": "s", "type": "string"}])
+    assert codec.decode(_zigzag(-(2**63)) + _zigzag(2**31 - 1) + _zigzag(0)) == {"n": -(2**63), "i": 2**31 - 1, "s": ""}
+    assert codec.decode(b"\x82" + b"\x80" * 8 + b"\x00" + b"\x82\x80\x80\x80\x00" + b"\x84\x00ab") == {"n": 1, "i": 1, "s": "ab"}
+
+
+# Properties of the wire check over random schemas: records of enums, fixed, arrays, maps, unions,
+# references to named types, and records that hold themselves through a union or an array.
+
+SIMPLE = ["boolean", "int", "long", "float", "double", "bytes", "string"]
+
+
+@st.composite
+def schemas(draw) -> tuple[dict, dict]:
+    """(a record schema, its named types by name)."""
+    names = (f"T{i}" for i in itertools.count())
+    named: dict = {}
+    open_records = ["Root"]
+
+    def of(depth: int, kind: str | None = None):
+        kind = kind or draw(st.sampled_from(SIMPLE + ["enum", "fixed", "itself"] + ["named"] * bool(named)
+                                            + (["array", "map", "record", "union"] if depth < 3 else [])))
+        if kind in SIMPLE:
+            return kind
+        if kind == "named":
+            return draw(st.sampled_from(sorted(named)))
+        if kind == "itself":  # a record being defined, through a union with null or an array
+            name = draw(st.sampled_from(open_records))
+            return draw(st.sampled_from([["null", name], {"type": "array", "items": name}]))
+        if kind == "union":  # of types a union may hold: each once, no union
+            union = ["null"] if draw(st.booleans()) else []
+            kinds = draw(st.lists(st.sampled_from(SIMPLE + ["enum", "fixed", "array", "map", "record"] + ["named"] * bool(named)),
+                                  min_size=1, max_size=3, unique=True))
+            # One map or record at most: the converters tell a union's branch by its value's Python
+            # type, and take a record read from one branch for a map or record of another.
+            if "map" in kinds and "record" in kinds:
+                kinds.remove("map")
+            dicts = "map" in kinds or "record" in kinds
+            for branch in kinds:
+                if branch != "named":
+                    union.append(of(depth + 1, branch))
+                elif others := sorted(n for n in set(named) - set(map(_name, union)) if not (dicts and named[n]["type"] == "record")):
+                    union.append(draw(st.sampled_from(others)))
+            return union
+        if kind == "array":
+            return {"type": "array", "items": of(depth + 1)}
+        if kind == "map":
+            return {"type": "map", "values": "null" if draw(st.booleans()) else of(depth + 1)}
+        schema = {"type": kind, "name": next(names)}
+        if kind == "enum":
+            schema["symbols"] = [f"S{i}" for i in range(draw(st.integers(1, 4)))]
+        elif kind == "fixed":
+            schema["size"] = draw(st.integers(1, 4))
+        else:
+            open_records.append(schema["name"])
+            schema["fields"] = [{"name": f"f{i}", "type": of(depth + 1)} for i in range(draw(st.integers(1, 3)))]
+            open_records.pop()
+        named[schema["name"]] = schema
+        return schema
+
+    root = {"type": "record", "name": "Root", "fields": [{"name": f"f{i}", "type": of(0)} for i in range(draw(st.integers(1, 4)))]}
+    named["Root"] = root
+    return root, named
+
+
+def _name(schema) -> str:
+    return schema if isinstance(schema, str) else schema.get("name", schema["type"])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
+def _padded(n: int, size: int) -> bytes:
+    """The varint of `n` in `size` bytes (as Avro writers may: its value is the same), or as short as it gets."""
+    short = _varint(n)
+    return short if len(short) >= size else short[:-1] + bytes([short[-1] | 0x80]) + b"\x80" * (size - len(short) - 1) + b"\x00"
+
+
+def _unsigned(v: int) -> int:  # zig-zag
+    return 2 * v if v >= 0 else -2 * v - 1
+
+
+@st.composite
+def values(draw, schema, named: dict, depth: int = 0):
+    """(bytes as Avro writers may write a value of `schema`: numbers padded, arrays and maps in blocks,
+    some with their byte size; the record the codec reads; the value fastavro's writer takes; where
+    a number, an index or a boolean is: (start, end, kind, bits, count of the union or enum))."""
+    out, spots = bytearray(), []
+    deep = depth > 4  # a record that holds itself stops here: its unions are null, its arrays empty
+
+    def number(v: int, bits: int, kind: str = "number", count: int = 0) -> None:
+        written = _padded(_unsigned(v), draw(st.integers(1, (bits + 6) // 7)))
+        spots.append((len(out), len(out) + len(written), kind, bits, count))
+        out.extend(written)
+
+    def nested(inner) -> tuple:
+        data, core, value, inner_spots = draw(values(inner, named, depth + 1))
+        spots.extend((start + len(out), end + len(out), *rest) for start, end, *rest in inner_spots)
+        out.extend(data)
+        return core, value
+
+    schema = named.get(schema, schema) if isinstance(schema, str) else schema
+    kind = "union" if isinstance(schema, list) else schema if isinstance(schema, str) else schema["type"]
+    if kind == "null":
+        return b"", None, None, []
+    if kind == "boolean":
+        v = draw(st.booleans())
+        return bytes([v]), v, v, [(0, 1, "boolean", 0, 0)]
+    if kind in ("int", "long"):
+        bits = 32 if kind == "int" else 64
+        v = draw(st.integers(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1))
+        number(v, bits)
+        return bytes(out), v, v, spots
+    if kind in ("float", "double"):
+        v = draw(st.floats(width=32, allow_nan=False, allow_infinity=False))  # exact in either branch fastavro's writer picks
+        return struct.pack("<f" if kind == "float" else "<d", v), v, v, []
+    if kind in ("bytes", "string", "fixed"):
+        v = draw(st.text() if kind == "string" else st.binary(min_size=schema["size"], max_size=schema["size"]) if kind == "fixed" else st.binary())
+        raw = v.encode() if kind == "string" else v
+        if kind != "fixed":
+            number(len(raw), 64)
+        out.extend(raw)
+        return bytes(out), v if kind == "string" else v.decode("latin-1"), v, spots
+    if kind == "enum":
+        i = draw(st.integers(0, len(schema["symbols"]) - 1))
+        number(i, 32, "index", len(schema["symbols"]))
+        return bytes(out), schema["symbols"][i], schema["symbols"][i], spots
+    if kind == "union":
+        i = 0 if deep and schema[0] == "null" else draw(st.integers(0, len(schema) - 1))
+        number(i, 32, "index", len(schema))
+        core, value = nested(schema[i])
+        return bytes(out), core, value, spots
+    if kind == "record":
+        cores, values_ = {}, {}
+        for field in schema["fields"]:
+            cores[field["name"]], values_[field["name"]] = nested(field["type"])
+        return bytes(out), cores, values_, spots
+    # an array or a map, in blocks of a count and its items; a negative count has the block's byte size after it
+    items = draw(st.lists(st.text(), unique=True, max_size=0 if deep else 3) if kind == "map" else st.lists(st.none(), max_size=0 if deep else 3))
+    cores, values_ = ({}, {}) if kind == "map" else ([], [])
+    while items:
+        block = items[: draw(st.integers(1, len(items)))]
+        items = items[len(block):]
+        sized = draw(st.booleans())
+        number(-len(block) if sized else len(block), 64)
+        start, first_spot = len(out), len(spots)
+        for key in block:
+            if kind == "map":
+                number(len(key.encode()), 64)
+                out.extend(key.encode())
+            core, value = nested(schema["values"] if kind == "map" else schema["items"])
+            if kind == "map":
+                cores[key], values_[key] = core, value
+            else:
+                cores.append(core)
+                values_.append(value)
+        if sized:
+            size = _varint(_unsigned(len(out) - start))
+            out[start:start] = size
+            spots[first_spot:] = [(start, start + len(size), "number", 64, 0)] + [(a + len(size), b + len(size), *rest) for a, b, *rest in spots[first_spot:]]
+    number(0, 64)
+    return bytes(out), cores, values_, spots
+
+
+def _codec_of(tmp_path_factory, schema: dict) -> AvroCodec:
+    path = tmp_path_factory.getbasetemp() / "property.avsc"
+    path.write_text(orjson.dumps(schema).decode())
+    return AvroCodec(path)
+
+
+@given(st.data())
+def test_a_value_of_any_schema_reads_as_written_by_fastavro_or_with_blocks_and_padded_numbers(tmp_path_factory, data):
+    schema, named = data.draw(schemas())
+    codec = _codec_of(tmp_path_factory, schema)
+    written, record, value, _ = data.draw(values(schema, named))
+    assert codec.decode(written) == record
+    out = io.BytesIO()
+    parsed = fastavro.parse_schema(schema)
+    fastavro.schemaless_writer(out, parsed, value)  # it may write a value to another branch (an int as a float)
+    assert codec.decode(out.getvalue()) == _as_json(fastavro.schemaless_reader(io.BytesIO(out.getvalue()), parsed, None))
+
+
+def _as_json(value):
+    """A value fastavro read as the codec reads it (bytes as code points 0-255)."""
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_json(v) for v in value]
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+@given(st.data())
+def test_a_number_index_or_boolean_out_of_its_range_anywhere_in_a_value_is_refused(tmp_path_factory, data):
+    schema, named = data.draw(schemas())
+    codec = _codec_of(tmp_path_factory, schema)
+    written, _, _, spots = data.draw(values(schema, named))
+    assume(spots)
+    start, end, kind, bits, count = data.draw(st.sampled_from(spots))
+    if kind == "boolean":
+        bad = bytes([data.draw(st.integers(2, 255))])
+    elif kind == "index":
+        bad = _varint(_unsigned(data.draw(st.integers(-(2 ** (bits - 1)), -1) | st.integers(count, 2 ** (bits - 1) - 1))))
+    else:
+        longest = (bits + 6) // 7
+        bad = data.draw(st.integers(0, 2**80).map(lambda n: _padded(n, longest + 1))  # too many bytes
+                        | st.integers(2**bits, 2 ** (7 * longest) - 1).map(_varint))  # too many bits
+    with pytest.raises(InputError, match="^value is not valid Avro for the topic schema: /"):
+        codec.decode(written[:start] + bad + written[end:])
+
+
+@given(st.data())
+def test_any_bytes_read_as_a_record_or_are_refused(tmp_path_factory, data):
+    schema, _ = data.draw(schemas())
+    codec = _codec_of(tmp_path_factory, schema)
+    try:
+        assert isinstance(codec.decode(data.draw(st.binary(max_size=64))), dict)
+    except InputError:
+        pass
