@@ -17,7 +17,7 @@ import math
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, InvalidOperation
 from typing import Any, Callable
 
-from processor.contract.errors import InputError
+from processor.contract.errors import ConfigError, InputError
 
 Convert = Callable[[Any], Any]
 
@@ -34,9 +34,11 @@ def without_logical_types(schema: Any) -> Any:
 class _Converters:
     """Converters of a parsed schema's values, built once per schema; None where nothing changes."""
 
-    def __init__(self, named: dict, reading: bool):
+    def __init__(self, named: dict, reading: bool, tagged: bool = False):
         self.named = named  # full name -> parsed definition (fastavro's named_schemas)
         self.reading = reading  # Avro -> core (else core -> Avro)
+        self.tagged = tagged  # read with return_named_type: a union's named branch comes as (full name, value)
+        self.ambiguous = False  # a union of records or maps that fastavro reads alike (dicts) but converts apart
         self.built: dict[str, Convert | None] = {}
 
     def of(self, schema: Any, at: str) -> Convert | None:
@@ -85,33 +87,64 @@ class _Converters:
         return record
 
     def _union(self, branches: list, at: str) -> Convert | None:
-        """A union's value is converted by the branch its Python type belongs to."""
-        by_type: dict[type, list] = {}
-        for branch in branches:
-            fn = self.of(branch, at)
-            if fn is not None:
-                for t in _python_types(self._resolve(branch), self.reading):
-                    by_type.setdefault(t, []).append((self._resolve(branch), fn))
-        if not by_type:
-            return None
+        """A union's value is converted by the branch its Python type belongs to; records and maps,
+        which fastavro reads alike (dicts), by the branch fastavro names (reading tagged) or by the
+        first branch the value fits (writing)."""
+        resolved = [self._resolve(branch) for branch in branches]
+        _refuse_union(resolved, at)
+        fns = [self.of(branch, at) for branch in branches]
+        dicts = [(branch, schema, fn) for branch, schema, fn in zip(branches, resolved, fns) if _python_types(schema, True) == (dict,)]
+        ambiguous = len(dicts) > 1 and any(fn for _, _, fn in dicts)
+        self.ambiguous = self.ambiguous or ambiguous
+        by_type: dict[type, Convert] = {}
+        by_name: dict[str, Convert] = {}
+        for schema, fn in zip(resolved, fns):
+            if self.tagged and isinstance(schema, dict) and "name" in schema:
+                by_name[schema["name"]] = fn or _same
+            elif fn is not None:
+                for t in _python_types(schema, self.reading):
+                    by_type.setdefault(t, fn)
         if not self.reading:  # a value a plain branch takes as it is stays as it is: 5 in ["long", decimal] is a long
-            for branch in branches:
-                kind = self._resolve(branch)
-                kind = kind if isinstance(kind, str) else None if kind.get("logicalType") else kind.get("type")
+            for schema in resolved:
+                kind = schema if isinstance(schema, str) else None if schema.get("logicalType") else schema.get("type")
                 for t in _NATIVE.get(kind, ()):
                     by_type.pop(t, None)
-            if not by_type:
-                return None
+            if ambiguous:
+                by_type[dict] = self._fitting(dicts, at)
+        if not by_type and not by_name:
+            return None
 
         def union(v: Any) -> Any:
-            candidates = by_type.get(type(v))
-            if not candidates:
-                return v
-            if len(candidates) > 1 and isinstance(v, dict):  # several records: the one whose fields the value has
-                candidates = [c for c in candidates if isinstance(c[0], dict) and set(v) <= {f["name"] for f in c[0].get("fields", ())}] or candidates
-            return candidates[0][1](v)
+            fn = by_type.get(type(v))
+            return fn(v) if fn else v
 
-        return union
+        def named(v: Any) -> Any:
+            return by_name[v[0]](v[1]) if v.__class__ is tuple else union(v)
+
+        return named if by_name else union
+
+    def _fitting(self, dicts: list, at: str) -> Convert:
+        """A writer of a dict in a union of several records and maps: the first branch whose fields
+        hold the value's keys (a map: any) and that fastavro takes the converted value as, a record
+        named (fastavro's tuple notation), so that fastavro writes that branch and not another."""
+        from fastavro._validation import _validate
+
+        choices = [(branch, schema["name"] if schema["type"] != "map" else None, fn,
+                    {f["name"] for f in schema["fields"]} if schema["type"] != "map" else None) for branch, schema, fn in dicts]
+
+        def fitting(v: dict) -> Any:
+            for branch, name, fn, fields in choices:
+                if fields is not None and not v.keys() <= fields:
+                    continue
+                try:
+                    out = fn(v) if fn else v
+                    if _validate(out, branch, self.named, at, False, {}):
+                        return out if name is None else (name, out)
+                except (InputError, ValueError, TypeError, AttributeError):  # not this branch's value
+                    pass
+            return v  # no branch takes it: fastavro refuses it
+
+        return fitting
 
     def _resolve(self, schema: Any) -> Any:
         return self.named.get(schema, schema) if isinstance(schema, str) else schema
@@ -216,9 +249,30 @@ def _finite(at: str) -> Convert:
     return check
 
 
-def converters(schema: Any, named: dict) -> tuple[Convert | None, Convert | None]:
-    """(Avro -> core, core -> Avro) converters of a parsed schema's records; None where none is needed."""
-    return _Converters(named, True).of(schema, ""), _Converters(named, False).of(schema, "")
+def converters(schema: Any, named: dict) -> tuple[Convert | None, Convert | None, bool]:
+    """(Avro -> core, core -> Avro) converters of a parsed schema's records, None where none is
+    needed, and whether values are read with fastavro's return_named_type: a union of several records
+    and maps (all read as dicts) tells its branch so alone. ConfigError on a union no converter can
+    read or write faithfully."""
+    reader = _Converters(named, True)
+    to_core = reader.of(schema, "")
+    if reader.ambiguous:
+        to_core = _Converters(named, True, tagged=True).of(schema, "")
+    return to_core, _Converters(named, False).of(schema, ""), reader.ambiguous
+
+
+def _refuse_union(branches: list, at: str) -> None:
+    """ConfigError on a union whose branches are read alike and converted apart with nothing to tell
+    them by: two of one unnamed type (Avro forbids it; fastavro reads it), or a decimal with other
+    bytes or fixed (fastavro writes bytes to the first branch that takes them)."""
+    kinds = [schema if isinstance(schema, str) else schema["type"] for schema in branches]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1 and k not in ("record", "error", "enum", "fixed")})
+    if twice:
+        raise ConfigError(f"{at or '/'}: a union with more than one {twice[0]} (Avro allows one of each unnamed type)")
+    raw = [schema for schema, kind in zip(branches, kinds) if kind in ("bytes", "fixed")]
+    if len(raw) > 1 and any(isinstance(schema, dict) and schema.get("logicalType") == "decimal" for schema in raw):
+        raise ConfigError(f"{at or '/'}: a union of a decimal and other bytes or fixed: fastavro reads them alike and "
+                          "writes a value to the first that takes it, so a value could come back as another")
 
 
 # fastavro reads some malformed values as other values, without a word: it looks up a union's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -120,7 +121,6 @@ class AvroCodec:
         from processor.core.avro import converters, wire_check, without_logical_types
 
         self._fastavro = fastavro
-        self._python_reader = _read_py.schemaless_reader
         try:
             raw = json.loads(Path(schema_path).read_text())
             named: dict = {}
@@ -132,21 +132,27 @@ class AvroCodec:
         # Read without logical types, so values are the JSON ones a store keeps (processor.core.avro).
         wire_named: dict = {}
         self._wire = fastavro.parse_schema(without_logical_types(raw), named_schemas=wire_named)
-        self._to_core, self._to_avro = converters(self.schema, named)
         try:
+            self._to_core, self._to_avro, named_branches = converters(self.schema, named)
             containers, recursive = _schema_shape(self.schema, named)
         except ConfigError as exc:
             raise ConfigError(f"the Avro schema {schema_path}: {exc}") from None
         # A value longer than this may nest deep enough to overflow the C reader's stack (_C_READER_LEVELS).
         self._c_reader_bytes = _C_READER_LEVELS // containers if recursive else sys.maxsize
         self._check_wire = wire_check(self._wire, wire_named)
+        # A union of several records and maps (all dicts) is read with its named branch's name, which
+        # its converter takes off: the C reader and the Python one alike.
+        self._c_reader, self._python_reader = fastavro.schemaless_reader, _read_py.schemaless_reader
+        if named_branches:
+            self._c_reader, self._python_reader = (functools.partial(read, return_named_type=True)
+                                                   for read in (self._c_reader, self._python_reader))
 
     def decode(self, data: bytes) -> dict:
         buffer = io.BytesIO(data)
         # fastavro's C reader recurses without a check, into a segfault past ~9,000 records, arrays,
         # maps and unions deep: a long value of a recursive schema goes to its Python reader, which
         # stops at Python's recursion limit (RecursionError).
-        read = self._fastavro.schemaless_reader if len(data) <= self._c_reader_bytes else self._python_reader
+        read = self._c_reader if len(data) <= self._c_reader_bytes else self._python_reader
         try:
             self._check_wire(data)  # bytes fastavro would read as another value
             record = read(buffer, self._wire, None)
@@ -155,14 +161,15 @@ class AvroCodec:
         except Exception as exc:  # fastavro raises many types for malformed bytes
             why = str(exc) or ("it ends too soon" if isinstance(exc, EOFError) else type(exc).__name__)
             raise InputError(f"value is not valid Avro for the topic schema: {why}{_wire_format_hint(data)}") from None
-        if not isinstance(record, dict):
-            raise InputError("Avro value must be a record")
         if (left := len(data) - buffer.tell()) > 0:  # a value of another schema, or of another framing
             raise InputError(f"value is not a record of the topic's Avro schema: {left} bytes left after it{_wire_format_hint(data)}")
         try:
-            return self._to_core(record) if self._to_core else record
+            record = self._to_core(record) if self._to_core else record
         except RecursionError:  # the converters of a recursive schema recurse a few frames a level
             raise InputError(_TOO_DEEP) from None
+        if not isinstance(record, dict):  # after the converters: a union's record may be read as (name, record)
+            raise InputError("Avro value must be a record")
+        return record
 
     def encode(self, record: dict) -> bytes:
         out = io.BytesIO()
