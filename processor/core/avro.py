@@ -14,6 +14,7 @@ Before fastavro reads a value, `wire_check` refuses bytes that it would read as 
 from __future__ import annotations
 
 import math
+import re
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, InvalidOperation
 from typing import Any, Callable
 
@@ -124,21 +125,20 @@ class _Converters:
         return named if by_name else union
 
     def _fitting(self, dicts: list, at: str) -> Convert:
-        """A writer of a dict in a union of several records and maps: the first branch whose fields
-        hold the value's keys (a map: any) and that fastavro takes the converted value as, a record
-        named (fastavro's tuple notation), so that fastavro writes that branch and not another."""
+        """A writer of a dict in a union of several records and maps: the first branch the value is
+        exactly a value of as the core reads them (`_is_read_as`), which reads back as the same value;
+        else (a publisher's Decimal, bytes) the first whose converter and fastavro take it. A record
+        is named (fastavro's tuple notation) so that fastavro writes that branch and not another."""
         from fastavro._validation import _validate
 
-        choices = [(branch, schema["name"] if schema["type"] != "map" else None, fn,
-                    {f["name"] for f in schema["fields"]} if schema["type"] != "map" else None) for branch, schema, fn in dicts]
+        choices = [(branch, schema, None if schema["type"] == "map" else schema["name"], fn) for branch, schema, fn in dicts]
 
         def fitting(v: dict) -> Any:
-            for branch, name, fn, fields in choices:
-                if fields is not None and not v.keys() <= fields:
-                    continue
+            exact = [c for c in choices if _is_read_as(v, c[1], self.named)]
+            for branch, schema, name, fn in exact or choices:
                 try:
                     out = fn(v) if fn else v
-                    if _validate(out, branch, self.named, at, False, {}):
+                    if exact or _validate(out, branch, self.named, at, False, {}):
                         return out if name is None else (name, out)
                 except (InputError, ValueError, TypeError, AttributeError):  # not this branch's value
                     pass
@@ -175,6 +175,35 @@ def _python_types(schema: Any, reading: bool) -> tuple[type, ...]:
     if kind == "array":
         return (list,)
     return ()
+
+
+def _is_read_as(v: Any, schema: Any, named: dict) -> bool:
+    """Whether `v` is a value of the parsed `schema` exactly as the core reads one (JSON values: bytes
+    as code points 0-255, a decimal as its text with `scale` digits after the point, a record with
+    every field)."""
+    schema = named.get(schema, schema) if isinstance(schema, str) else schema
+    if isinstance(schema, list):
+        return any(_is_read_as(v, branch, named) for branch in schema)
+    kind = schema if isinstance(schema, str) else schema["type"]
+    if isinstance(kind, (dict, list)):
+        return _is_read_as(v, kind, named)
+    if kind in ("record", "error"):
+        fields = {f["name"]: f["type"] for f in schema["fields"]}
+        return isinstance(v, dict) and v.keys() == fields.keys() and all(_is_read_as(x, fields[k], named) for k, x in v.items())
+    if kind == "map":
+        return isinstance(v, dict) and all(_is_read_as(x, schema["values"], named) for x in v.values())
+    if kind == "array":
+        return isinstance(v, list) and all(_is_read_as(x, schema["items"], named) for x in v)
+    if kind in ("bytes", "fixed") and isinstance(schema, dict) and schema.get("logicalType") == "decimal":
+        scale = schema.get("scale", 0)
+        return isinstance(v, str) and re.fullmatch(r"-?[0-9]+" + (rf"\.[0-9]{{{scale}}}" if scale > 0 else ""), v) is not None
+    if kind in ("bytes", "fixed"):
+        return isinstance(v, str) and max(v, default="\0") <= "\xff" and (kind == "bytes" or len(v) == schema["size"])
+    if kind == "enum":
+        return v in schema["symbols"]
+    return {"null": v is None, "boolean": v.__class__ is bool, "string": isinstance(v, str),
+            "int": v.__class__ is int and -(2**31) <= v < 2**31, "long": v.__class__ is int and -(2**63) <= v < 2**63,
+            "float": v.__class__ in (int, float), "double": v.__class__ in (int, float)}[kind]
 
 
 def _same(v: Any) -> Any:
