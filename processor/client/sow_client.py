@@ -24,7 +24,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract.errors import InputError
-from processor.contract.limits import query_max_seconds
+from processor.contract.limits import QUERY_SPAN, query_max_seconds
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
@@ -393,10 +393,11 @@ class Client:
                 if attempt == 0:  # the list may be from before they announced this topic: read it again
                     continue
                 return None
-            # A worker answers within twice its query time limit (a wait for one of its query
-            # threads, then the query) or says it ran out (HTTP 503): one silent past that, and a
-            # margin, has stopped, and its partitions are asked for again.
-            wait = 2 * query_max_seconds() + 5
+            # A worker answers within QUERY_SPAN times its query time limit (a wait for one of its
+            # query threads, then the query and the turns it gave the worker's loop) or says it ran
+            # out (HTTP 503): one silent past that, and a margin, has stopped, and its partitions
+            # are asked for again.
+            wait = QUERY_SPAN * query_max_seconds() + 5
             ask = lambda w: _http_json(f"{w['url']}/sow/{spec.topic}", self.web_token, self._tls, timeout=wait, body=params)  # noqa: E731
             covered: set[int] = set()
             rows: dict[str, dict] = {}

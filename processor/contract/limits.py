@@ -20,6 +20,10 @@ READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this lon
 MAX_RECORD_BYTES = 1_000_000  # a SOW record (or diff) larger than this once encoded is refused (the producer's message.max.bytes)
 DELETE_CHUNK = 10_000  # records one sow_delete removes between two commits of the worker (its memory and transaction stay bounded)
 QUERY_THREADS = 2  # HTTP queries a worker runs at once (threads beside its loop); the others wait
+QUERY_SHARE = 0.25  # of a worker's time its queries together may take while its loop has work (they share one GIL)
+# A worker answers a query within this many times its time limit: a wait for a thread, the query's
+# own work, and the turns it gave a busy loop (each at most the limit).
+QUERY_SPAN = 3
 DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing the records of the partitions one worker owns
 # How far ahead of the clock a publisher's timestamp may be: input topics ksow creates with publisher
 # stamps refuse later ones (message.timestamp.after.max.ms), and a worker takes one (on any input) as
@@ -35,6 +39,7 @@ _ENV = {
     "KSOW_MAX_RECORD_BYTES": (int, MAX_RECORD_BYTES),
     "KSOW_DELETE_CHUNK": (int, DELETE_CHUNK),
     "KSOW_QUERY_THREADS": (int, QUERY_THREADS),
+    "KSOW_QUERY_SHARE": (float, QUERY_SHARE),
     "KSOW_DELETE_FILTER_SECONDS": (float, DELETE_FILTER_SECONDS),
 }
 
@@ -93,6 +98,16 @@ def query_threads() -> int:
     return int(_env("KSOW_QUERY_THREADS"))
 
 
+def query_share() -> float:
+    """The share of a worker's time its HTTP queries together may take while its input loop has
+    work (env KSOW_QUERY_SHARE, at most 1): query threads and the loop share one GIL, so queries
+    that never paused would take most of it (processor.query.engine.QueryPacer)."""
+    share = float(_env("KSOW_QUERY_SHARE"))
+    if share > 1:
+        raise ConfigError(f"KSOW_QUERY_SHARE must be at most 1 (all of the worker's time), got {share:g}")
+    return share
+
+
 def read_idle_timeout() -> float:
     """Seconds without progress after which reading a topic to its end fails (env KSOW_READ_IDLE_TIMEOUT)."""
     return float(_env("KSOW_READ_IDLE_TIMEOUT"))
@@ -108,3 +123,4 @@ def check_environment() -> None:
     """Raise ConfigError if any limit's environment variable is set to something unusable."""
     for name in _ENV:
         _env(name)
+    query_share()

@@ -8,9 +8,10 @@ checked against the whole filter). Anything else scans the partition.
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from processor.contract.errors import KsowError
 from processor.contract.limits import query_max_rows, query_max_seconds
@@ -118,19 +119,64 @@ class QueryLimits:
 
     CHECK_EVERY = 1024  # records read between two checks: the clock is not read per record
 
-    def start(self, clock=time.monotonic):
-        """A check(matched) for one query, starting its clock now; raises QueryLimitError."""
-        deadline = clock() + self.max_seconds
+    def start(self, clock=time.monotonic, pacer: "QueryPacer | None" = None, cpu=time.thread_time):
+        """A check(matched) for one query, starting its clock now; raises QueryLimitError. With a
+        pacer, each check first waits for the queries' next turn (`QueryPacer.pause`, given the CPU
+        this thread used since the last check): those waits do not count against the time limit,
+        up to the limit again (so a query ends within twice its limit)."""
+        started = clock()
         max_rows, max_seconds = self.max_rows, self.max_seconds
+        waited = 0.0
+        last_cpu = cpu() if pacer is not None else 0.0
 
         def check(matched: int) -> None:
+            nonlocal waited, last_cpu
             if matched > max_rows:
                 raise QueryLimitError(
                     f"query matched more than {max_rows} records (KSOW_QUERY_MAX_ROWS); narrow the filter", 413)
-            if clock() > deadline:
+            if pacer is not None:
+                now_cpu = cpu()
+                if now_cpu - last_cpu >= pacer.QUANTUM:
+                    waited += pacer.pause(now_cpu - last_cpu)
+                    last_cpu = now_cpu
+            if clock() - min(waited, max_seconds) - started > max_seconds:
                 raise QueryLimitError(f"query took longer than {max_seconds:g}s (KSOW_QUERY_MAX_SECONDS); narrow the filter", 503)
 
         return check
+
+
+class QueryPacer:
+    """Keeps a worker's queries from starving its input loop.
+
+    Query threads share the GIL with the loop: callers scanning without a pause cut a worker's
+    ingest to a third of its rate or less (docs/benchmarks.md, Queries).
+    While `busy()` says the loop has work, the worker's queries together run at most `share` of the
+    time: after each chunk of records (a QueryLimits check) a query waits in proportion to the CPU
+    the chunk took, on one schedule for every query thread. An idle loop does not slow them."""
+
+    # CPU a query runs between two waits at least: after each wait it asks for the GIL again, which
+    # a busy loop hands over only at its switch interval (5 ms), so short turns would mostly wait.
+    QUANTUM = 0.005
+
+    def __init__(self, share: float, busy: Callable[[], bool], clock=time.monotonic, sleep=time.sleep):
+        self.rest = 1 / share - 1  # seconds of waiting owed for each second of a query's CPU
+        self.busy = busy
+        self.clock = clock
+        self.sleep = sleep
+        self._turn = 0.0  # when the queries may run again
+        self._lock = threading.Lock()
+
+    def pause(self, used: float) -> float:
+        """After a chunk that used `used` seconds of its thread's CPU: wait until the queries' turn
+        comes again. Returns the seconds waited."""
+        if used <= 0 or self.rest <= 0 or not self.busy():
+            return 0.0
+        with self._lock:
+            now = self.clock()
+            self._turn = max(self._turn, now) + used * self.rest
+            wait = self._turn - now
+        self.sleep(wait)
+        return wait
 
 
 @dataclass
@@ -188,6 +234,7 @@ def run_query(
     limits: QueryLimits | None = None,
     policy: ExpiryPolicy = ExpiryPolicy(),
     now_ms: int | None = None,
+    pacer: QueryPacer | None = None,
 ) -> tuple[list[dict], QueryPlan]:
     """The matching records of the given partitions as result dicts, ordered and cut to `top`.
 
@@ -195,8 +242,9 @@ def run_query(
     ran past `limits.max_seconds` (checked every QueryLimits.CHECK_EVERY records read).
     Records past their instant (by `policy.is_live` at `now_ms`, default now) are left out even
     when the expiry sweep has not removed them yet; the check costs one comparison per match.
+    A worker passes its `pacer`, which makes the query wait at its checks while the loop has work.
     """
-    check = (limits or QueryLimits()).start()
+    check = (limits or QueryLimits()).start(pacer=pacer)
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     predicate = compile_filter(query.filter) if query.filter else None
     plan = QueryPlan(None)

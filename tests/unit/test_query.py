@@ -5,7 +5,9 @@ import pytest
 from processor.contract.errors import KsowError
 from processor.contract.types import SowRecord
 from processor.core.filters import compile_filter
-from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, choose_index, order_and_cut, run_query
+from processor.contract.errors import ConfigError
+from processor.contract.limits import check_environment, query_share
+from processor.query.engine import QueryLimitError, QueryLimits, QueryPacer, SowQuery, choose_index, order_and_cut, run_query
 from processor.state import IndexSpec, open_partition_store
 
 INDEXES = (("/status",), ("/region", "/desk"))
@@ -145,6 +147,102 @@ def test_a_scan_over_its_time_limit_ends_with_503():
     with pytest.raises(QueryLimitError, match="longer than 2s") as err:
         store.select(slow, None, 1024, check)
     assert err.value.status == 503 and len(read) == 1024  # stopped at the first check past 2 s
+
+
+class _FakeTime:
+    """A clock that moves only when something sleeps (or a test moves it), and a CPU clock."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.cpu = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_a_busy_loop_makes_queries_wait_their_share_on_one_schedule():
+    t = _FakeTime()
+    busy = [True]
+    pacer = QueryPacer(0.25, lambda: busy[0], t.clock, t.sleep)
+    assert pacer.pause(0.01) == pytest.approx(0.03)  # 10 ms of CPU, then 30 ms for the loop: a quarter
+    # Two threads that end a turn at the same moment queue on one schedule: the second waits for
+    # the first's rest too, so together they still take a quarter of the time.
+    t.now = 1.0
+    assert pacer.pause(0.01) == pytest.approx(0.03)
+    t.now = 1.0
+    assert pacer.pause(0.01) == pytest.approx(0.06)
+    busy[0] = False  # an idle loop: no waiting at all
+    assert pacer.pause(0.01) == 0.0
+    assert QueryPacer(1, lambda: True, t.clock, t.sleep).pause(0.01) == 0.0  # the whole share: never waits
+
+
+def _costly_records(t: _FakeTime, n: int):
+    """A store of n records and a filter that costs 1 ms of CPU and of (fake) time a record."""
+    store = open_partition_store("memory", None, IndexSpec())
+    for i in range(n):
+        store.stage(f"k{i}", SowRecord({"id": i}, i))
+    store.commit()
+
+    def costly(data):
+        t.cpu += 0.001
+        t.now += 0.001
+        return False
+
+    return store, costly
+
+
+def test_a_paced_query_waits_for_the_cpu_it_used_and_the_waits_do_not_count_against_its_limit():
+    t = _FakeTime()
+    store, costly = _costly_records(t, 2_000)
+    pacer = QueryPacer(0.25, lambda: True, t.clock, t.sleep)
+    check = QueryLimits(max_seconds=5).start(clock=t.clock, pacer=pacer, cpu=lambda: t.cpu)
+    assert store.select(costly, None, 1024, check) == ([], 2_000)
+    # 2 s of work, 6 s of waits (a quarter of the time for the query), at the check after 1,024
+    # records and at the last: 8 s in all, which without the credit would be over the 5 s limit.
+    assert t.slept == [pytest.approx(3 * 1.024), pytest.approx(3 * 0.976)]
+    assert t.now == pytest.approx(8.0)
+
+
+def test_the_waits_count_once_they_pass_the_limit_itself():
+    """A query's waits are credited up to its time limit: it ends within twice its limit (and a turn)."""
+    t = _FakeTime()
+    store, costly = _costly_records(t, 10_000)
+    pacer = QueryPacer(0.25, lambda: True, t.clock, t.sleep)
+    check = QueryLimits(max_seconds=6).start(clock=t.clock, pacer=pacer, cpu=lambda: t.cpu)
+    with pytest.raises(QueryLimitError, match="longer than 6s"):
+        store.select(costly, None, 1024, check)
+    # Each chunk: 1.024 s of work, then 3.072 s of waits. After two chunks 8.2 s have passed, 6 of
+    # them credited: 2.2 s count. After the third, 12.3 s less 6: over the limit.
+    assert t.now == pytest.approx(3 * 4.096)
+    assert len(t.slept) == 3
+
+
+def test_a_paced_query_on_real_stores_answers_the_same(tmp_path):
+    """The pacer only waits: a query through it returns what it returns without one."""
+    store = open_partition_store("rocksdb", str(tmp_path / "p0"), IndexSpec())
+    for i in range(20_000):
+        store.stage(f"k{i}", SowRecord({"id": i, "v": i % 7}, i))
+    store.commit()
+    t = _FakeTime()
+    pacer = QueryPacer(0.25, lambda: True, t.clock, t.sleep)
+    query = SowQuery(filter="/v = 3")
+    assert run_query([store], query, (), pacer=pacer)[0] == run_query([store], query, ())[0]
+    store.close()
+
+
+def test_the_query_share_comes_from_the_environment(monkeypatch):
+    assert query_share() == 0.25
+    monkeypatch.setenv("KSOW_QUERY_SHARE", "0.5")
+    assert query_share() == 0.5
+    for bad in ("0", "1.5", "-0.1", "x"):
+        monkeypatch.setenv("KSOW_QUERY_SHARE", bad)
+        with pytest.raises(ConfigError, match="KSOW_QUERY_SHARE"):
+            check_environment()
 
 
 def test_limits_default_from_the_environment(monkeypatch):

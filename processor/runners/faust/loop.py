@@ -478,6 +478,8 @@ class SowLoop:
         self._more = False  # a merge left inputs it could have applied (it took a cycle's worth): no waiting
         self._cycle_began = 0.0
         self._cycle_expired = 0  # records the cycle's sweeps expired so far
+        self._worked = 0.0  # time.monotonic() of the last cycle that consumed, applied or expired something
+        self._working = False  # the cycle running now consumed inputs (busy())
         self._in_txn = False
         self._open: _Batch | None = None  # a batch left open by the last cycle (commit interval)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
@@ -704,6 +706,7 @@ class SowLoop:
             wait = min(wait, max(0.001, out.began + interval - mono))
         began = time.perf_counter()
         messages = self.consumer.consume(self.batch_max, wait)
+        self._working = bool(messages)  # a long cycle of inputs is busy all along (busy()), not only at its end
         self._backlogged = len(messages) >= self.batch_max
         consumed = time.perf_counter()
         _CONSUME_SECONDS.inc(consumed - began)
@@ -716,17 +719,22 @@ class SowLoop:
             self._restore_pending()  # commits an open batch first
         out = self._open or _Batch(self)
         self._open = None  # while the cycle runs, `out` is the only batch (a failure forgets it)
+        worked = bool(messages)
         for engine in self.engines.values():
             n = self._apply(engine, out, out.offsets)
             if n:
                 out.applied[engine.spec.topic] += n
+                worked = True
         self._sweep_if_due(out)
+        if worked or self._cycle_expired:
+            self._worked = time.monotonic()
         if out.sent or out.offsets or self._in_txn:
             if time.monotonic() - out.began >= interval or self._stop.is_set():
                 self._commit(out, out.offsets, out.applied)
             else:
                 self._open = out
         self._flow_control()
+        self._working = False
 
     def _file(self, messages) -> None:
         """Put consumed messages in the queue of their input partition (end-of-partition events mark
@@ -1394,6 +1402,13 @@ class SowLoop:
             self.consumer.resume(resume)
 
     # read-only views for the HTTP side ----------------------------------------------------------
+    BUSY_S = 0.25  # a loop that did something this recently counts as busy (its cycles are at most 50 ms apart)
+
+    def busy(self) -> bool:
+        """Whether the loop is applying inputs, or had inputs or expiries within the last BUSY_S:
+        queries then give way (processor.query.engine.QueryPacer)."""
+        return self._working or time.monotonic() - self._worked < self.BUSY_S
+
     # (A copy of the task list is taken in one step under the GIL: no lock, so a query never waits
     # for a restore or a commit, and never makes the loop wait.)
     def served(self, topic: str) -> list[int]:

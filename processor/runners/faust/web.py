@@ -26,10 +26,10 @@ from aiohttp.http_exceptions import BadHttpMessage
 from faust.web import View
 
 from processor.contract.errors import ConfigError, KsowError
-from processor.contract.limits import query_threads
+from processor.contract.limits import QUERY_SPAN, query_share, query_threads
 from processor.core.filters import FilterError
 from processor.kafka.registry import REFRESH_S, announcement
-from processor.query.engine import QueryLimitError, QueryLimits, SowQuery, run_query, through_view
+from processor.query.engine import QueryLimitError, QueryLimits, QueryPacer, SowQuery, run_query, through_view
 from processor.runners.faust import metrics
 from processor.topology import Topology
 
@@ -54,6 +54,10 @@ class WorkerView(Protocol):
     def served(self, topic: str) -> list[int]: ...
 
     def stores(self, topic: str): ...
+
+    def busy(self) -> bool:
+        """Whether the worker's input loop has work now (queries then give way: QueryPacer)."""
+        ...
 
     def announce(self, key: bytes, value: bytes) -> None: ...
 
@@ -227,7 +231,9 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
 
     queries = ThreadPoolExecutor(query_threads(), thread_name_prefix="ksow-query")
     slots = asyncio.Semaphore(query_threads())
-    connections = Connections(2 * settings.limits.max_seconds)  # a query may wait its limit for a thread, then run it
+    pacer = QueryPacer(query_share(), worker.busy)
+    # A query may wait its limit for a thread, then run its limit and wait as long for its turns.
+    connections = Connections(QUERY_SPAN * settings.limits.max_seconds)
 
     def refused(view, request):
         """A 401 answer when the request lacks the token, else None."""
@@ -250,7 +256,8 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
 
         def run():
             served = worker.served(topic)
-            rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths, settings.limits, engine.spec.expiry)
+            rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths, settings.limits, engine.spec.expiry,
+                                   pacer=pacer)
             return served, rows, plan
 
         try:

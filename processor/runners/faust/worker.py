@@ -202,6 +202,9 @@ class LoopView:
     def stores(self, topic: str):
         return self._loop.stores(topic)
 
+    def busy(self) -> bool:
+        return self._loop.busy()
+
     def announce(self, key: bytes, value: bytes) -> None:
         """Write this worker's registry entry (its own small producer: the loop's is transactional)."""
         if self._producer is None:
