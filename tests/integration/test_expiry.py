@@ -81,8 +81,10 @@ def test_update_postpones_expiry(env, kafka_bootstrap):
     topic, client, worker = env
     worker()
     key = client.publish(topic, {"id": 1, "n": 0}, expiration="3s")
-    client.flush()
-    wait_until(lambda: ids(client, topic) == [1])
+    client.flush()  # it reached Kafka (its lifetime started) before this returned
+    # The delta goes a second later, with no query between: the worker applies the two in the order
+    # sent whenever it gets to them. (A query that had to see [1] first, then a second's sleep, raced
+    # the 3 s lifetime under load: the delta then came after the instant, as a new record.)
     time.sleep(1)
     client.publish(topic, {"id": 1, "n": 1}, delta=True, expiration="3s")
     client.flush()
@@ -97,11 +99,16 @@ def test_update_postpones_expiry(env, kafka_bootstrap):
 def test_worker_down_past_the_instant_expires_on_start(env, kafka_bootstrap):
     topic, client, worker = env
     w = worker()
-    key = client.publish(topic, {"id": 7})
+    # A lifetime of its own, long enough for the worker to apply the record and stop before its
+    # instant (with the topic's 2 s, a query and the stop of a loaded worker took longer), then the
+    # wait is for that instant, read from `.sow`.
+    key = client.publish(topic, {"id": 7}, expiration="8s")
     client.flush()
-    wait_until(lambda: ids(client, topic) == [7])
+    (inserted,) = wait_until(lambda: read_all(kafka_bootstrap, f"{topic}.sow"))
+    due = int(headers_of(inserted)["sow-expires-at"])
     w.stop()
-    time.sleep(3)
+    assert not expired(kafka_bootstrap, topic)  # down before the instant
+    time.sleep(max(0.0, (due + 1_000) / 1000 - time.time()))
     restarted = int(time.time() * 1000)
     worker("w2", "d1")
     exp = wait_until(lambda: expired(kafka_bootstrap, topic).get(key), timeout=30, interval=0.2)
@@ -115,7 +122,8 @@ def test_records_moved_by_rebalance_expire_exactly_once(env, kafka_bootstrap):
     worker("w1", "d1")
     keys = {client.publish(topic, {"id": i}, expiration="4s") for i in range(40)}
     client.flush()
-    wait_until(lambda: len(ids(client, topic)) == 40)
+    # Applied: the 40 inserts are on `.sow`. (A query that had to see all 40 alive raced their 4 s.)
+    wait_until(lambda: len({m.key() for m in read_all(kafka_bootstrap, f"{topic}.sow") if m.value() is not None}) == 40)
     worker("w2", "d2")  # takes over half of the partitions while the records are alive
     wait_until(lambda: len(expired(kafka_bootstrap, topic)) == 40, timeout=60, interval=0.5)
     time.sleep(2)
@@ -182,16 +190,20 @@ def test_records_past_their_instant_are_never_delivered(kafka_bootstrap, unique_
     topic = unique_name
     w, client = _worker_for(kafka_bootstrap, tmp_path, topic, expiration="enabled")
     w.start()
+    # The lifetimes leave the worker 10 s to apply the three records before it is killed (with 6 s
+    # and queries between, a loaded machine could reach the instant first); the wait after the kill
+    # is for the instants themselves, read from `.sow`.
     client.publish(topic, {"id": 1})
-    client.publish(topic, {"id": 2}, expiration="6s")
+    client.publish(topic, {"id": 2}, expiration="10s")
     client.flush()
-    wait_until(lambda: ids(client, topic) == [1, 2])
+    wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) == 2)
     live = client.subscribe(topic, sow=False, timeout=3)  # the stream starts here, read later
-    client.publish(topic, {"id": 3}, expiration="6s")
+    client.publish(topic, {"id": 3}, expiration="10s")
     client.flush()
-    wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.sow")) == 3)
+    sow = wait_until(lambda: len(s := read_all(kafka_bootstrap, f"{topic}.sow")) == 3 and s)
     w.kill()  # before the instants: nobody sweeps them
-    time.sleep(6.5)
+    due = max(int(headers_of(m)["sow-expires-at"]) for m in sow if "sow-expires-at" in headers_of(m))
+    time.sleep(max(0.0, (due + 500) / 1000 - time.time()))
     assert not expired(kafka_bootstrap, topic)
     assert ids(client, topic) == [1] and client.last_query_source == "changelog"
     assert [e["record"]["id"] for e in client.subscribe(topic, sow=True, timeout=1)] == [1]
