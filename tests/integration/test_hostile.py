@@ -347,7 +347,11 @@ def test_half_sent_requests_are_closed_and_slow_queries_hold_up_no_other_caller(
     monkeypatch.setenv("KSOW_QUERY_MAX_SECONDS", "1")
     worker, client = _start(kafka_bootstrap, tmp_path, unique_name)
     try:
-        text = "abcdefghijklmnopqrstuvwxyz" * 12_000  # 312 KB: RE2 falls back to its slow matcher on this pattern
+        # 624 KB: RE2 falls back to its slow matcher on this pattern, ~3 s a record on a fast machine
+        # (~9 s on a slow one), well past the 1 s the other query below waits for the one thread.
+        # (With 312 KB a record took 1.4 s on a fast machine: the thread came free just as that
+        # query's wait ended, and it was answered.)
+        text = "abcdefghijklmnopqrstuvwxyz" * 24_000
         for i in range(3):
             client.publish(unique_name, {"id": i, "t": text})
         client.publish(unique_name, {"id": 9})
