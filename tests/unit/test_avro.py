@@ -271,13 +271,21 @@ def test_a_union_whose_branches_nothing_tells_apart_is_refused_with_the_schema(t
         AvroCodec(path)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
+def _unsigned(v: int) -> int:  # zig-zag
+    return 2 * v if v >= 0 else -2 * v - 1
+
+
 def _zigzag(n: int) -> bytes:
     """An Avro long as it is written (zig-zag varint), for hand-made values."""
-    u, out = ((n << 1) ^ (n >> 63)) & ((1 << 64) - 1), bytearray()
-    while u > 0x7F:
-        out.append(u & 0x7F | 0x80)
-        u >>= 7
-    return bytes(out) + bytes([u])
+    return _varint(_unsigned(n))
 
 
 NODE = {"type": "record", "name": "Node", "fields": [{"name": "id", "type": "long"}, {"name": "next", "type": ["null", "Node"]}]}
@@ -497,22 +505,10 @@ def _name(schema) -> str:
     return schema if isinstance(schema, str) else schema.get("name", schema["type"])
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    return bytes(out) + bytes([n])
-
-
 def _padded(n: int, size: int) -> bytes:
     """The varint of `n` in `size` bytes (as Avro writers may: its value is the same), or as short as it gets."""
     short = _varint(n)
     return short if len(short) >= size else short[:-1] + bytes([short[-1] | 0x80]) + b"\x80" * (size - len(short) - 1) + b"\x00"
-
-
-def _unsigned(v: int) -> int:  # zig-zag
-    return 2 * v if v >= 0 else -2 * v - 1
 
 
 @st.composite
@@ -590,7 +586,7 @@ def values(draw, schema, named: dict, depth: int = 0):
                 cores.append(core)
                 values_.append(value)
         if sized:
-            size = _varint(_unsigned(len(out) - start))
+            size = _zigzag(len(out) - start)
             out[start:start] = size
             spots[first_spot:] = [(start, start + len(size), "number", 64, 0)] + [(a + len(size), b + len(size), *rest) for a, b, *rest in spots[first_spot:]]
     number(0, 64)
@@ -659,7 +655,7 @@ def test_a_number_index_or_boolean_out_of_its_range_anywhere_in_a_value_is_refus
     if kind == "boolean":
         bad = bytes([data.draw(st.integers(2, 255))])
     elif kind == "index":
-        bad = _varint(_unsigned(data.draw(st.integers(-(2 ** (bits - 1)), -1) | st.integers(count, 2 ** (bits - 1) - 1))))
+        bad = _zigzag(data.draw(st.integers(-(2 ** (bits - 1)), -1) | st.integers(count, 2 ** (bits - 1) - 1)))
     else:
         longest = (bits + 6) // 7
         bad = data.draw(st.integers(0, 2**80).map(lambda n: _padded(n, longest + 1))  # too many bytes
