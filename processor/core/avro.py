@@ -112,6 +112,9 @@ class _Converters:
                     by_type.pop(t, None)
             if ambiguous:
                 by_type[dict] = self._fitting(dicts, at)
+            kinds = {schema if isinstance(schema, str) else schema["type"] for schema in resolved}
+            if kinds & {"bytes", "fixed"} and kinds & {"array", "enum"}:
+                by_type[str] = self._text_branch(branches, resolved, fns, by_type.get(str))
         if not by_type and not by_name:
             return None
 
@@ -145,6 +148,30 @@ class _Converters:
             return v  # no branch takes it: fastavro refuses it
 
         return fitting
+
+    def _text_branch(self, branches: list, resolved: list, fns: list, otherwise: Convert | None) -> Convert:
+        """A writer of a string in a union of bytes or a fixed with an array or an enum, where fastavro
+        would write it, once converted, to another branch: bytes are a sequence of ints to an array
+        (`"\\x01"` would come back as `[1]`), and a symbol made bytes is no symbol. The first branch
+        the string is a value of as the core reads them (`_is_read_as`), one that takes it as it is
+        (string, enum) before one that converts it (bytes, fixed), is named in fastavro's tuple
+        notation (a named type by its name, another by its type), so that fastavro writes that one.
+        A string no branch takes goes as before, for fastavro to refuse."""
+        choices = []
+        for branch, schema, fn in zip(branches, resolved, fns):
+            kind = schema if isinstance(schema, str) else schema["type"]
+            if kind in ("string", "enum", "bytes", "fixed"):
+                tag = schema["name"] if kind in ("enum", "fixed") else kind
+                choices.append((kind in ("bytes", "fixed"), branch, tag, fn))
+        choices.sort(key=lambda c: c[0])  # stable: in the union's order within each kind
+
+        def text(v: str) -> Any:
+            for _, branch, tag, fn in choices:
+                if _is_read_as(v, branch, self.named):
+                    return tag, (fn(v) if fn else v)
+            return otherwise(v) if otherwise else v
+
+        return text
 
     def _resolve(self, schema: Any) -> Any:
         return self.named.get(schema, schema) if isinstance(schema, str) else schema
