@@ -1,5 +1,6 @@
 """The HTTP endpoint's decisions: bind address, bearer token, TLS settings, registry entries."""
 
+import asyncio
 import shutil
 import subprocess
 
@@ -8,7 +9,7 @@ import pytest
 
 from processor.contract.errors import ConfigError
 from processor.kafka.registry import announcement, entry_problem
-from processor.runners.faust.web import WebSettings, authorized, web_bind_address
+from processor.runners.faust.web import CallerTurns, WebSettings, authorized, web_bind_address
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "10.1.2.3", "worker-7.internal", "::1"])
@@ -199,3 +200,45 @@ def test_a_client_with_a_token_takes_only_entries_signed_with_it():
     for _ in range(400):
         deep = [deep]
     assert not signed("s3cret", key, {**entry, "extra": deep})  # junk makes no error either
+
+
+def test_query_threads_go_to_the_waiting_callers_in_turn():
+    """One thread, caller a asking four queries at once and b one after them: b has the second turn,
+    not the fifth (a single line in arrival order put it behind all of a's)."""
+    async def scenario() -> list[str]:
+        turns, served = CallerTurns(1), []
+
+        async def query(caller: str) -> None:
+            assert await turns.acquire(caller, 5)
+            served.append(caller)
+            await asyncio.sleep(0.01)
+            turns.release()
+
+        tasks = [asyncio.create_task(query("a")) for _ in range(4)]
+        await asyncio.sleep(0)  # a's first holds the thread, its other three wait
+        tasks.append(asyncio.create_task(query("b")))
+        await asyncio.gather(*tasks)
+        return served
+
+    assert asyncio.run(scenario()) == ["a", "a", "b", "a", "a"]
+
+
+def test_a_query_that_waited_out_its_limit_leaves_the_line_and_a_thread_handed_to_a_gone_request_goes_on():
+    async def scenario() -> None:
+        turns = CallerTurns(1)
+        assert await turns.acquire("a", 1)
+        assert not await turns.acquire("b", 0.05)  # waited its limit: answered 503
+        turns.release()
+        assert await asyncio.wait_for(turns.acquire("c", 1), 0.1)  # free at once: b left no place behind
+        gone = asyncio.create_task(turns.acquire("d", 5))
+        await asyncio.sleep(0)
+        turns.release()  # handed to d ...
+        gone.cancel()  # ... whose request went away before it resumed
+        try:
+            if await gone:  # Python 3.11's wait_for hands the thread over all the same: the handler's finally releases it
+                turns.release()
+        except asyncio.CancelledError:  # later Pythons cancel: the thread goes on by itself
+            pass
+        assert await asyncio.wait_for(turns.acquire("e", 1), 0.1)
+
+    asyncio.run(scenario())

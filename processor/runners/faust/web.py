@@ -17,6 +17,7 @@ import ipaddress
 import os
 import socket
 import ssl
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -157,6 +158,59 @@ class MalformedRequests(logging.Filter):
         return True
 
 
+class CallerTurns:
+    """The worker's query threads, handed out in turn among the callers waiting for one (by address).
+    With one line in arrival order, a caller that sent twenty queries at once held every thread
+    for all of them while another's one query waited behind them, and was answered 503 after its
+    time limit; now each caller waiting has the next thread in its turn, and a caller's queries wait
+    behind its own."""
+
+    def __init__(self, threads: int):
+        self._free = threads
+        self._waiting: dict[str, deque[asyncio.Future]] = {}  # callers in turn order, each with its queries in order
+
+    async def acquire(self, caller: str, timeout: float) -> bool:
+        """A thread for one of `caller`'s queries, or False after `timeout` seconds without one."""
+        if self._free and not self._waiting:
+            self._free -= 1
+            return True
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(caller, deque()).append(turn)
+        try:
+            await asyncio.wait_for(turn, timeout)
+            return True
+        except asyncio.TimeoutError:
+            self._leave(caller, turn)
+            return False
+        except asyncio.CancelledError:  # the request went away
+            self._leave(caller, turn)
+            raise
+
+    def release(self) -> None:
+        """A query is done: its thread goes to the next caller in turn, who goes to the back."""
+        waiting = self._waiting
+        while waiting:
+            caller = next(iter(waiting))
+            turns = waiting.pop(caller)
+            turn = turns.popleft()
+            if turns:
+                waiting[caller] = turns
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    def _leave(self, caller: str, turn: asyncio.Future) -> None:
+        """A wait that ended without its thread: out of the line, or, handed one just then, passing it on."""
+        turns = self._waiting.get(caller)
+        if turns is not None and turn in turns:
+            turns.remove(turn)
+            if not turns:
+                del self._waiting[caller]
+        elif turn.done() and not turn.cancelled():
+            self.release()
+
+
 class Connections:
     """Closes connections that hold a socket without asking anything: aiohttp waits for a request's
     head as long as its sender likes, so half-sent requests piled up until the worker ran out of
@@ -230,7 +284,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
     app.conf.web_ssl_context = settings.ssl_context()
 
     queries = ThreadPoolExecutor(query_threads(), thread_name_prefix="ksow-query")
-    slots = asyncio.Semaphore(query_threads())
+    slots = CallerTurns(query_threads())
     pacer = QueryPacer(query_share(), worker.busy)
     # A query may wait its limit for a thread, then run its limit and wait as long for its turns.
     connections = Connections(QUERY_SPAN * settings.limits.max_seconds)
@@ -241,7 +295,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
             return None
         return _json(view, {"error": "missing or wrong bearer token (KSOW_WEB_TOKEN)"}, 401, {"WWW-Authenticate": "Bearer"})
 
-    async def sow_query(view, topic: str, params: dict):
+    async def sow_query(view, request, topic: str, params: dict):
         """Query the SOW partitions this worker serves, with the parameters filter, keys, select,
         top and order_by (the caller checked the token)."""
         try:
@@ -261,9 +315,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
             return served, rows, plan
 
         try:
-            try:
-                await asyncio.wait_for(slots.acquire(), settings.limits.max_seconds)
-            except asyncio.TimeoutError:
+            if not await slots.acquire(request.remote or "", settings.limits.max_seconds):
                 return _json(view, {"error": f"the worker ran other queries for {settings.limits.max_seconds:g}s "
                                              "(KSOW_QUERY_THREADS at a time); ask again"}, 503)
             try:
@@ -285,7 +337,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
         async def get(self, request, topic):
             if (answer := refused(self, request)) is not None:
                 return answer
-            return await sow_query(self, topic, dict(request.query))
+            return await sow_query(self, request, topic, dict(request.query))
 
         async def post(self, request, topic):
             if (answer := refused(self, request)) is not None:  # before the body is read
@@ -298,7 +350,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
                 return _json(self, {"error": "the body must be a JSON object of strings (filter, keys, select, top, order_by)"}, 400)
             if request.query:
                 return _json(self, {"error": "give the query's parameters in the body or in the URL, not in both"}, 400)
-            return await sow_query(self, topic, params)
+            return await sow_query(self, request, topic, params)
 
     @app.page("/metrics")
     async def prometheus(view, request):
