@@ -10,6 +10,7 @@ objects are diffed recursively; a field the new record no longer has appears as 
 
 from __future__ import annotations
 
+from math import copysign
 
 import orjson
 
@@ -36,8 +37,8 @@ _dumps, _SORTED = orjson.dumps, orjson.OPT_SORT_KEYS  # records are JSON-able: e
 def changed_fields(old: dict, new: dict) -> dict:
     """Fields of `new` that differ from `old`, nested objects diffed; removed fields as None.
 
-    Values of different types differ even when Python calls them equal (1, 1.0 and True): a JSON
-    subscriber sees them as different values. This is the hot path of every update, hence inline.
+    Values of different types differ even when Python calls them equal (1, 1.0 and True), and so do
+    0.0 and -0.0: a JSON subscriber sees them as different values. This is the hot path of every update, hence inline.
     """
     out: dict = {}
     get = old.get
@@ -52,7 +53,8 @@ def changed_fields(old: dict, new: dict) -> dict:
                 if kind is dict:
                     out[name] = changed_fields(before, value)
                     continue
-            elif before == value:
+            elif before == value and (kind is not float or before != 0.0 or copysign(1.0, before) == copysign(1.0, value)):
+                # 0.0 and -0.0 are equal to Python, not as JSON (orjson writes the sign), as inside arrays
                 continue
         out[name] = value
     for name in old:

@@ -119,7 +119,7 @@ def _json(value) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
-confusable = st.sampled_from([0, 1, 0.0, 1.0, False, True, "1"])  # equal in Python, not in JSON
+confusable = st.sampled_from([0, 1, 0.0, -0.0, 1.0, False, True, "1"])  # equal in Python, not in JSON
 confusable_records = st.dictionaries(names, st.recursive(confusable | st.lists(confusable, max_size=2),
                                                          lambda inner: st.dictionaries(names, inner, max_size=2), max_leaves=4), max_size=3)
 
@@ -129,3 +129,17 @@ confusable_records = st.dictionaries(names, st.recursive(confusable | st.lists(c
 def test_a_records_own_diff_takes_the_old_one_to_the_same_json(old, new):
     """As test_merging_a_records_own_diff_gives_the_record, with types compared: 1, 1.0 and True differ."""
     assert _json(merge(old, diff(old, new, ()))) == _json(_with_nulls(new, old))
+
+
+def test_a_zero_that_changed_sign_is_a_change_at_every_depth():
+    """Audit: 0.0 -> -0.0 (two JSON texts) was no change at the top level, a change inside an
+    array, and inside an object an empty object ({"m": {}}) that tells a subscriber nothing."""
+    for old, new, told in (
+        ({"id": 1, "x": 0.0}, {"id": 1, "x": -0.0}, {"id": 1, "x": -0.0}),
+        ({"id": 1, "m": {"x": -0.0}}, {"id": 1, "m": {"x": 0.0}}, {"id": 1, "m": {"x": 0.0}}),
+        ({"id": 1, "a": [0.0]}, {"id": 1, "a": [-0.0]}, {"id": 1, "a": [-0.0]}),
+    ):
+        d = diff(old, new, KEY)
+        assert _json(d) == _json(told), (old, new, d)
+        assert _json(merge(old, d)) == _json(new)
+    assert diff({"id": 1, "x": -0.0, "m": {"y": 0.0}}, {"id": 1, "x": -0.0, "m": {"y": 0.0}}, KEY) == {"id": 1}

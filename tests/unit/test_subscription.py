@@ -283,3 +283,11 @@ def test_a_conflated_delta_subscriber_ends_each_interval_where_an_unconflated_on
         if flush:
             pending = _end_interval(conflated, pending, True)
             assert {k: _without_nulls(v) for k, v in conflated.items()} == {k: _without_nulls(v) for k, v in plain.items()}, changes
+
+
+def test_no_empties_sends_no_update_that_tells_nothing():
+    """Audit (seed 001, no_empties): a zero inside an object that changed sign gave a no_empties
+    delta subscriber an update of {"m": {}}, no field in it; it now tells the changed value."""
+    sub = SubscriptionSpec(delta=True, no_empties=True, key_paths=ID_KEY)
+    event = sub.change(Op.UPDATE, "K", 1, {"id": 1, "m": {"x": 0.0}}, {"id": 1, "m": {"x": -0.0}})
+    assert orjson.dumps(event["record"]) == b'{"id":1,"m":{"x":-0.0}}'
