@@ -52,6 +52,7 @@ _NO_EXPIRY = -1
 _END = b"\xff" * 9
 _KEY_FORMAT = "keyformat"
 _INDEXES = "indexes"  # which hash indexes, keyed which way, the `i` entries were written for
+_AGE_INDEX = "ageindex"  # 1 while the `v` entries cover every record (written with every commit since)
 # How values become hash index keys. 2: keys told apart as hashed (`distinct_keys`), where 1 kept one
 # of True and 1, False and 0, 2**60 and 2.0**60 in a record's entries.
 INDEX_FORMAT = 2
@@ -221,8 +222,7 @@ class PartitionStore:
     _swept: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.indexes.track_age:
-            self._reindex_age()
+        self._reindex_age()
         self._reindex_hash()
 
     def _index_signature(self) -> int:
@@ -252,17 +252,26 @@ class PartitionStore:
         self.backend.write(batch)
 
     def _reindex_age(self) -> None:
-        """Move an age index keyed by update instant (stores of earlier releases) to event IDs: the
-        instant left records updated in the same millisecond in SowKey order."""
-        old = list(self.backend.scan(_AGE_BY_INSTANT, _AGE_BY_INSTANT + _END))
-        if not old:
+        """Make the age index cover every record when the topic has a capacity. Only stores of a
+        topic with a capacity write `v` entries, so a store that ran without one (or whose age index
+        was keyed by update instant, in earlier releases) has records capacity could never evict:
+        the index is written again from the records, once, at open. A store opened without a
+        capacity drops the mark (and its entries, which its commits no longer keep up)."""
+        complete = self.meta(_AGE_INDEX) == 1
+        if complete == self.indexes.track_age:
             return
+        stale = (k for prefix in (_AGE, _AGE_BY_INSTANT) for k, _ in self.backend.scan(prefix, prefix + _END))
+        fresh = (_AGE + _BE64.pack(record.seq) + key.encode() for key, record in self.records()) if self.indexes.track_age else ()
         batch = self.backend.batch()
-        for k, _ in old:
-            batch.delete(k)
-            record = self._load(k[9:].decode())
-            if record is not None:
-                batch.put(_AGE + _BE64.pack(record.seq) + k[9:], b"")
+        for n, (entry, write) in enumerate(itertools.chain(((k, False) for k in stale), ((k, True) for k in fresh)), 1):
+            if write:
+                batch.put(entry, b"")
+            else:
+                batch.delete(entry)
+            if n % _REINDEX_CHUNK == 0:
+                self.backend.write(batch)
+                batch = self.backend.batch()
+        batch.put(_META + _AGE_INDEX.encode(), _INT.pack(1 if self.indexes.track_age else 0))
         self.backend.write(batch)
 
     # reads -----------------------------------------------------------------
@@ -589,6 +598,7 @@ class PartitionStore:
         self.rollback()
         self._committed.clear()
         self.backend.clear()
+        self._reindex_age()  # nothing to index: stamps whether the replayed records get age entries
         self._reindex_hash()  # nothing to index: stamps the signature the replayed records are indexed under
 
     def close(self) -> None:

@@ -385,3 +385,48 @@ def test_an_expiry_index_without_records_is_still_swept(tmp_path):
     write_all(backend, {b"r" + b"a": encode_record(rec({"k": "a"}, 3, 500, 100)), b"x" + struct.pack(">Q", 500) + b"a": b""})
     store = PartitionStore(backend, IndexSpec())
     assert [(at, key, store.get(key)) for at, key in store.due(1000)] == [(500, "a", rec({"k": "a"}, 3, 500, 100))]
+
+
+@pytest.mark.parametrize("kind", ["rocksdb", "memory"])
+def test_records_stored_without_a_capacity_are_in_the_age_index_once_one_is_set(tmp_path, kind):
+    """Only a topic with a capacity writes age entries: a store that ran without one and is opened
+    with one indexes its records by age at open, so capacity can evict them (it evicted none)."""
+    from processor.state.base import PartitionStore
+
+    store = open_partition_store(kind, str(tmp_path / "p0"), IndexSpec())
+    for seq, key in [(7, "b"), (3, "c"), (5, "a")]:
+        store.stage(key, rec({"k": key}, seq))
+    store.commit()
+    backend = store.backend
+    if kind == "rocksdb":
+        store.close()
+        from processor.state.rocksdb import RocksDBBackend
+
+        backend = RocksDBBackend(str(tmp_path / "p0"))
+    store = PartitionStore(backend, IndexSpec(track_age=True))
+    assert [k for k, _ in store.least_recently_updated()] == ["c", "a", "b"]
+    store.close()
+
+
+def test_records_updated_while_a_store_had_no_capacity_keep_their_place_when_it_is_set_again(tmp_path):
+    """Capacity set, removed, set again: the records written meanwhile are evicted in the order of
+    their updates, and the entries left from before (no longer kept up) are gone."""
+    from processor.state.base import PartitionStore
+    from processor.state.rocksdb import RocksDBBackend
+
+    def reopen(store, track_age):
+        store.close()
+        return PartitionStore(RocksDBBackend(str(tmp_path / "p0")), IndexSpec(track_age=track_age))
+
+    store = open_partition_store("rocksdb", str(tmp_path / "p0"), IndexSpec(track_age=True))
+    store.stage("a", rec({"k": "a"}, 1))
+    store.stage("b", rec({"k": "b"}, 2))
+    store.commit()
+    store = reopen(store, False)
+    store.stage("a", rec({"k": "a", "again": True}, 3))
+    store.stage("c", rec({"k": "c"}, 4))
+    store.commit()
+    store = reopen(store, True)
+    assert [k for k, _ in store.least_recently_updated()] == ["b", "a", "c"]
+    assert list(store.oldest()) == [(2, "b"), (3, "a"), (4, "c")]
+    store.close()

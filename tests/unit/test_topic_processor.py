@@ -652,3 +652,21 @@ def test_a_view_that_fails_on_a_record_leaves_the_store_as_sow_tells_it(tmp_path
     assert [orjson.loads(o.value) for o in out["orders.sow"]] == [{"id": 1, "r": "EU"}]
     assert b"internal error: RuntimeError: view failed" in hdr(out["orders.errors"][0], "sow-error")
     assert [rec.data for store in proc.stores.values() for _, rec in store.records()] == [{"id": 1, "r": "EU"}]
+
+
+def test_a_capacity_set_on_a_topic_that_holds_records_evicts_them(tmp_path):
+    """A persistent partition that held 5 records before `capacity: 2` was set is brought down to
+    its share by the next new record, oldest first (it evicted none and kept 6)."""
+    def one_partition(**extra):
+        return LocalTopic(parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, **extra}]}).topic("orders"), tmp_path)
+
+    proc = one_partition()
+    proc.handle([InputMessage("orders", 0, i, None, orjson.dumps({"id": i}), None, 1_000 + i) for i in range(5)], 1_010)
+    proc.commit()
+    proc.close()
+    proc = one_partition(capacity=2)
+    out = proc.handle([InputMessage("orders", 0, 9, None, orjson.dumps({"id": 9}), None, 2_000)], 2_000)
+    proc.commit()
+    assert [orjson.loads(o.value)["id"] for o in by_topic(out)["orders.dead"]] == [0, 1, 2, 3]
+    assert proc.stores[0].count() == 2
+    proc.close()
