@@ -36,7 +36,11 @@ class SowQuery:
     PARAMS = ("filter", "keys", "select", "top", "order_by")  # the names of a request's parameters
 
     def __post_init__(self) -> None:
-        """A bad top, select path or order_by is the caller's error, before any worker is asked."""
+        """A bad top, select path or order_by is the caller's error, before any worker is asked.
+        Keys are a set: one named twice is kept once (in the order first named), else its record
+        came back twice and took two of `top`'s places."""
+        if len(set(self.keys)) != len(self.keys):
+            self.keys = tuple(dict.fromkeys(self.keys))
         if self.top is not None and self.top < 0:
             raise QueryError(f"top must not be negative, got {self.top}")
         for path in self.select:

@@ -58,6 +58,17 @@ def test_keys_select_order_top(stores):
     assert ids(rows) == [0, 1]
 
 
+def test_keys_named_twice_are_one_key(stores):
+    """Keys are a set of SowKeys: a key named twice came back as two rows, which also took two of
+    `top`'s places (k03 twice with top 2 left k04 out, and the client, which keeps one row a key,
+    answered with one record)."""
+    rows, _ = run_query(stores, SowQuery(keys=("k03", "k03", "k04")), INDEXES)
+    assert sorted(r["sow_key"] for r in rows) == ["k03", "k04"]
+    rows, _ = run_query(stores, SowQuery(keys=("k03", "k03", "k04"), top=2), INDEXES)
+    assert ids(rows) == [3, 4]
+    assert SowQuery.from_params({"keys": "k03,k04,k03"}).keys == ("k03", "k04")
+
+
 def test_choose_index_needs_all_fields():
     assert choose_index(compile_filter("/region = 'EU'"), INDEXES) is None
     no, values = choose_index(compile_filter("/region IN ('EU','US') AND /desk = 1"), INDEXES)
