@@ -528,11 +528,12 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @click.option("--no-empties", is_flag=True, help="With --delta: skip updates that change nothing selected.")
 @click.option("--no-sowkey", is_flag=True, help="Leave the sow_key out of each event.")
 @click.option("--select", default=None, help="Comma-separated field paths.")
+@click.option("--keys", default=None, help="Comma-separated SowKeys: only these records.")
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
 @click.option("--timeout", type=float, default=None, help="Stop after this many idle seconds.")
 @click.option("--after", "--after-seq", "after_seq", default=None,
               help="Resume after this bookmark (the \"bookmark\" of the last event taken: an event ID per partition) instead of starting with the SOW.")
-def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, conflation, timeout, after_seq) -> None:
+def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, keys, conflation, timeout, after_seq) -> None:
     """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
     if no_empties and not delta:
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
@@ -545,6 +546,7 @@ def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, 
         events = client.subscribe(
             topic, filter=filter_, sow=sow, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey,
             select=_split(select), conflation=conflation, timeout=timeout, after_seq=after_seq,
+            keys=None if keys is None else _split(keys) or [],
         )
         try:
             for event in events:

@@ -450,6 +450,11 @@ class Client:
 
             predicate = compile_filter(filter).matches
         kwargs = {k: v for k, v in options.items() if v is not None}
+        if "keys" in kwargs:
+            _check_keys(kwargs["keys"])
+            if not kwargs["keys"]:  # none at all would be no key limit, which subscribes to every record
+                raise ClientError("keys names no SowKey: give at least one, or no keys to subscribe to every record")
+            kwargs["keys"] = frozenset(kwargs["keys"])
         if "select" in kwargs:
             kwargs["select"] = tuple(kwargs["select"])
         if predicate is not None:
@@ -471,15 +476,18 @@ class Client:
         timeout: float | None = None,
         after: str | int | None = None,
         after_seq: str | int | None = None,
+        keys: list[str] | None = None,
     ) -> Iterator[dict]:
         """sow_and_subscribe (or with sow=False just subscribe); with delta=True, deltas after the SOW.
 
         Yields event dicts: {"op", "sow_key", "seq", "expires_at", "record", "bookmark"} (op "sow" for
         the snapshot, "oof" with a "reason" when a record leaves the subscription; "bookmark" is where
         to resume after this event). Stops after `timeout` seconds of no messages, if given. `after`
-        (or its old name `after_seq`) resumes after a bookmark (see subscribe_many).
+        (or its old name `after_seq`) resumes after a bookmark (see subscribe_many). `keys` (a list
+        of SowKeys) limits the subscription to those records, the snapshot and the live changes.
         """
-        options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation)
+        options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation,
+                       keys=keys)
         return _only_events(self.subscribe_many(topic, [options], sow=sow, timeout=timeout, after=after if after is not None else after_seq))
 
     def subscribe_many(
@@ -489,7 +497,7 @@ class Client:
         """Several subscriptions to one topic over one consumer and one copy of the SOW state.
 
         Each entry of `subscriptions` takes the keyword options of `subscribe` (filter, delta, oof,
-        no_empties, no_sowkey, select, conflation). Yields (index of the subscription, event).
+        no_empties, no_sowkey, select, conflation, keys). Yields (index of the subscription, event).
 
         Every event carries a "bookmark" (processor.core.bookmarks): one event ID per partition,
         how far this subscription got in each. With `after` (the bookmark of the last event a

@@ -30,6 +30,7 @@ class SubscriptionSpec:
     no_sowkey: bool = False
     select: tuple[str, ...] = ()
     key_paths: tuple[tuple[str, ...], ...] = ()
+    keys: frozenset[str] | None = None  # SowKeys the subscription is limited to (None: every record)
     _select_split: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -67,7 +68,7 @@ class SubscriptionSpec:
 
     def snapshot(self, key: str, seq: int | None, record: dict, expires_at: int | None = None) -> dict | None:
         """The event for one record of the initial SOW snapshot, or None if it is filtered out."""
-        if not self.matches(record):
+        if (self.keys is not None and key not in self.keys) or not self.matches(record):
             return None
         return self.event("sow", key, seq, self.shape(record), expires_at)
 
@@ -79,6 +80,8 @@ class SubscriptionSpec:
         with no record (with no_sowkey, the key fields of `before`, the version removed, say which
         record went; without them the SowKey does); with oof, an oof for one that does not match now
         (it may have left meanwhile)."""
+        if self.keys is not None and key not in self.keys:
+            return None
         if record is None:
             if not self.no_sowkey:
                 return self.event(op.value, key, seq, None)
@@ -93,6 +96,8 @@ class SubscriptionSpec:
 
     def change(self, op: Op, key: str, seq: int | None, before: dict | None, after: dict | None, expires_at: int | None = None) -> dict | None:
         """The event for one change of the SOW, or None when this subscriber gets nothing."""
+        if self.keys is not None and key not in self.keys:
+            return None
         was, now = self.matches(before), self.matches(after)
         if now:
             assert after is not None

@@ -59,6 +59,8 @@ def test_bad_filter_points_at_the_position(run):
     (["subscribe", "orders", "--after", "12,x"], "a bookmark is event IDs (sow-seq) separated by commas; got '12,x'"),
     (["subscribe", "orders", "--after", str(9 << 10 | 1000)], "is of partition 1000, and the topic has"),
     (["delete", "orders", "--filter", " "], "a blank filter would delete every record"),
+    (["subscribe", "orders", "--keys", "not base64!"], "must use only Base64 characters"),
+    (["subscribe", "orders", "--keys", ","], "keys names no SowKey"),
 ])
 def test_options_that_would_be_ignored_or_misread_are_refused(run, args, says):
     result = run(*args, *NOWHERE)

@@ -25,6 +25,22 @@ def test_delta_of_an_order_status_update():
     assert event == {"op": "update", "sow_key": "K3", "seq": 12, "record": {"order": 3, "status": "pending"}}
 
 
+def test_a_subscription_limited_to_sowkeys_sees_only_those_records():
+    """sow_and_subscribe may name a set of SowKeys (seed 003, SOW keys): the snapshot, the live
+    changes and a resume's changes of other records are not the subscriber's."""
+    sub = SubscriptionSpec(oof=True, key_paths=ID_KEY, keys=frozenset({"K1"}))
+    one, two = {"id": 1, "status": "open"}, {"id": 2, "status": "open"}
+    assert sub.snapshot("K1", 1, one) == {"op": "sow", "sow_key": "K1", "seq": 1, "record": one}
+    assert sub.snapshot("K2", 2, two) is None
+    assert sub.change(Op.UPDATE, "K1", 3, one, {**one, "qty": 5})["op"] == "update"
+    assert sub.change(Op.INSERT, "K2", 4, None, two) is None
+    assert sub.change(Op.DELETE, "K2", 5, two, None) is None
+    assert sub.change(Op.DELETE, "K1", 6, one, None)["reason"] == "delete"
+    assert sub.resumed(Op.UPDATE, "K2", 7, two) is None and sub.resumed(Op.DELETE, "K2", 8, None) is None
+    assert sub.resumed(Op.UPDATE, "K1", 9, one)["op"] == "sow"
+    assert SubscriptionSpec(key_paths=ID_KEY).snapshot("K2", 2, two) is not None  # no keys: every record
+
+
 def test_conflated_sequence_for_id_99():
     sub = SubscriptionSpec(delta=True, key_paths=ID_KEY)
     states = [
