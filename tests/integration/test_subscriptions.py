@@ -193,3 +193,27 @@ def test_a_view_is_queried_and_subscribed_to_by_its_name(env):
     client.flush()
     assert sorted(next(sub)["record"]["id"] for _ in range(2)) == [1, 6]  # two partitions: no order between them
     sub.close()
+
+
+def test_a_subscription_limited_to_sowkeys_gets_only_their_snapshot_and_changes(env):
+    """sow_and_subscribe with a set of SowKeys (seed 003): the snapshot and the live changes of
+    the other records never reach the subscriber."""
+    topic, client = env
+    for i in range(4):
+        client.publish(topic, {"id": i, "status": "open"})
+    client.flush()
+    wait_until(lambda: len(client.query(topic)) == 4)
+    keys = {entry.sow_key for entry in client.query(topic) if entry.record["id"] in (1, 3)}
+    sub = client.subscribe(topic, sow=True, keys=sorted(keys))
+    snapshot = [next(sub), next(sub)]
+    assert {e["op"] for e in snapshot} == {"sow"} and {e["record"]["id"] for e in snapshot} == {1, 3}
+    for i in range(4):
+        client.publish(topic, {"id": i, "status": "filled"})
+    client.flush()
+    changed = [next(sub), next(sub)]
+    assert {(e["op"], e["record"]["id"]) for e in changed} == {("update", 1), ("update", 3)}
+    client.publish(topic, {"id": 1, "status": "last"})
+    client.flush()
+    event = next(sub)  # after the updates of 0 and 2, which it was not told
+    assert (event["op"], event["record"]) == ("update", {"id": 1, "status": "last"}), event
+    sub.close()
