@@ -20,6 +20,7 @@ from processor.core.durations import DurationError, parse_duration_ms
 from processor.core.expiry import ExpirationMode, ExpiryPolicy
 from processor.core.keys import KeySpec
 from processor.core.paths import PathError, split_path
+from processor.core.regex import RegexError, regex
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "default.yaml"
 
@@ -385,6 +386,20 @@ class Topology(BaseModel):
 
     def view(self, name: str) -> "View | None":
         return next((view for view in self.views if view.name == name), None)
+
+    def names(self) -> list[str]:
+        """What a query may name: the SOW topics, then the views."""
+        return [spec.topic for spec in self.sow] + [view.name for view in self.views]
+
+    def matching(self, pattern: str) -> list[str]:
+        """The SOW topics and views whose whole name the regular expression `pattern` matches (RE2's
+        syntax, as LIKE): a query may name its topics so, as in AMPS. Empty when it matches none or
+        is no regular expression."""
+        try:
+            compiled = regex(pattern)
+        except RegexError:
+            return []
+        return [name for name in self.names() if compiled.fullmatch(name)]
 
 
 def _describe(exc: ValidationError, raw: dict) -> str:

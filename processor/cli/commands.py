@@ -511,7 +511,8 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 @click.option("--top", type=int, default=None, help="At most this many records.")
 @click.option("--order-by", default=None, help="Field path to sort by, optionally followed by ASC or DESC.")
 def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, top, order_by) -> None:
-    """SOW query: the current records, as JSON lines (answered by the workers)."""
+    """SOW query: the current records, as JSON lines (answered by the workers). TOPIC may also be a
+    regular expression matching whole names of SOW topics and views: then each line names its topic."""
     client = _client(bootstrap, topology, group, web_token)
     with _client_errors():
         for entry in client.query(topic, filter=filter_, keys=None if keys is None else _split(keys) or [], select=_split(select), top=top, order_by=order_by):

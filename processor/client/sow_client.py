@@ -59,9 +59,11 @@ class SowEntry:
     seq: int | None
     expires_at: int | None
     record: dict
+    topic: str | None = None  # the SOW topic or view it came from, when the query named its topics by a pattern
 
     def as_dict(self) -> dict:
-        return {"sow_key": self.sow_key, "seq": self.seq, "expires_at": self.expires_at, "record": self.record}
+        entry = {"sow_key": self.sow_key, "seq": self.seq, "expires_at": self.expires_at, "record": self.record}
+        return entry if self.topic is None else {"topic": self.topic, **entry}
 
 
 class Client:
@@ -365,7 +367,13 @@ class Client:
         Answered by the running workers over HTTP (each for its partitions; hash indexes used where
         the filter allows); when no set of live workers covers every partition, the client reads
         `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
+
+        A `topic` that is no SOW topic or view of the topology may be a regular expression over
+        their names (matched whole, RE2's syntax as LIKE's): the records of every one it matches,
+        each entry naming its topic, ordered and cut to `top` together.
         """
+        if topic not in self.topology.names() and (names := self.topology.matching(topic)):
+            return self._query_each(names, filter, keys, select, top, order_by)
         topic, filter, select = self._through_view(topic, filter, select, order_by)
         spec = self.spec(topic)
         if keys is not None:
@@ -383,6 +391,19 @@ class Client:
             rows = self._query_changelog(spec, query)
             self.last_query_source = "changelog"
         return [SowEntry(r["sow_key"], r.get("seq"), r.get("expires_at"), r["record"]) for r in rows]
+
+    def _query_each(self, names: list[str], filter: str | None, keys: list[str] | None, select: list[str] | None,
+                    top: int | None, order_by: str | None) -> list[SowEntry]:
+        """A query of several topics (a pattern's): each asked as if named alone, the entries tagged
+        with their topic, then ordered and cut together. The source is "changelog" if any was."""
+        entries, sources = [], set()
+        for name in names:
+            for entry in self.query(name, filter=filter, keys=keys, select=select, top=top, order_by=order_by):
+                entry.topic = name
+                entries.append(entry)
+            sources.add(self.last_query_source)
+        self.last_query_source = "changelog" if "changelog" in sources else "workers"
+        return order_and_cut(entries, SowQuery(top=top, order_by=order_by), lambda entry: entry.record)
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         params = orjson.dumps(query.to_params())

@@ -52,10 +52,12 @@ def _options() -> re2.Options:
 
 _OPTIONS = _options()
 _UNANCHORED = _re2.RE2.Anchor.UNANCHORED
+_WHOLE = _re2.RE2.Anchor.ANCHOR_BOTH
 
 
 class Regex:
-    """A compiled pattern with `search(text) -> bool` (anywhere in the text, as re.search).
+    """A compiled pattern with `search(text) -> bool` (anywhere in the text, as re.search) and
+    `fullmatch(text) -> bool` (the whole text).
 
     Calls RE2's binding directly: the `re2` module's own `search` is a Python generator that builds
     match objects and maps byte offsets to characters, about 5x the cost of the match itself.
@@ -85,6 +87,10 @@ class Regex:
         # RE2 sees invalid UTF-8 there, which no character class matches.
         raw = text.encode("utf-8", "surrogatepass")
         return self._match(_UNANCHORED, raw, 0, len(raw))[0][0] >= 0
+
+    def fullmatch(self, text: str) -> bool:
+        raw = text.encode("utf-8", "surrogatepass")
+        return self._match(_WHOLE, raw, 0, len(raw))[0][0] >= 0
 
     def __reduce__(self):
         return Regex, (self.pattern,)

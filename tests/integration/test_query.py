@@ -174,3 +174,17 @@ def test_a_delete_matching_more_than_a_worker_answers_is_sent_uncounted(kafka_bo
         assert client.delete(unique_name, filter="1=1", wait=5) == 0 and client.last_delete_uncounted is None
     finally:
         worker.kill()
+
+
+def test_a_topic_pattern_queries_every_topic_and_view_it_matches(cluster):
+    """A query's topic may be a regular expression over the SOW topics and views (AMPS): each
+    entry names its topic, and order_by and top apply to all of them together."""
+    topic, client = cluster
+    _load(client, topic, 12)  # the view <topic>_held holds ids 2, 5, 8 and 11, with only /qty
+    rows = client.query(f"{topic}.*", filter="/qty >= 6", order_by="/qty DESC", top=4)
+    assert [r.record["qty"] for r in rows] == [11, 11, 10, 9]
+    assert {(r.topic, tuple(r.record)) for r in rows[:2]} == {(topic, ("id", "status", "region", "desk", "qty")), (f"{topic}_held", ("id", "qty"))}
+    assert rows[0].as_dict()["topic"] in (topic, f"{topic}_held")
+    assert all(r.topic is None and "topic" not in r.as_dict() for r in client.query(topic, top=2))
+    with pytest.raises(Exception, match="is not a SOW topic"):
+        client.query(f"{topic}x.*")

@@ -132,3 +132,9 @@ def test_patterns_whose_matches_cost_text_times_program_are_refused():
     with pytest.raises(FilterError, match=f"LIKE patterns of at most {MAX_FILTER_PROGRAM:,} RE2 instructions in all"):
         compile_filter(six)
     assert compile_filter(" OR ".join(["/a LIKE '.{590}'"] * 6)).matches({"a": "x" * 600})  # one pattern, compiled once
+
+
+def test_fullmatch_takes_the_whole_text_search_any_part():
+    pattern = Regex("ab|abc")
+    assert pattern.fullmatch("abc") and pattern.fullmatch("ab") and not pattern.fullmatch("xabc")
+    assert pattern.search("xabc") and not Regex("^b").search("ab")

@@ -187,3 +187,19 @@ def test_a_yaml_boolean_is_no_number_or_duration(tmp_path, field):
     path.write_text("sow:\n  - topic: t\n    key: [/id]\nviews:\n  - name: v\n    topic: t\n    conflation: yes\n")
     with pytest.raises(TopologyError, match="conflation: .*YAML boolean"):
         load_topology(path)
+
+
+@pytest.mark.parametrize("pattern, names", [
+    ("orders", ["orders"]),
+    ("ord", []),  # a name matches whole, not in part
+    (".*orders", ["orders", "eu.orders"]),
+    ("orders.*", ["orders", "orders_open"]),  # views too
+    ("eu[.].*", ["eu.orders"]),
+    ("trades|orders", ["orders", "trades"]),  # in the topology's order: SOW topics, then views
+    ("a)|(orders", []),  # the pattern alone is matched whole, not spliced into an anchored one
+    ("(", []),  # no regular expression: no topic
+])
+def test_a_query_topic_pattern_matches_whole_names_of_sow_topics_and_views(pattern, names):
+    topology = parse_topology({"sow": [{"topic": t, "key": ["/id"]} for t in ("orders", "eu.orders", "trades")],
+                               "views": [{"name": "orders_open", "topic": "orders", "filter": "/status = 'open'"}]})
+    assert topology.matching(pattern) == names
