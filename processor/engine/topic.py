@@ -42,6 +42,11 @@ _LOCAL = (H.LOCAL, b"1")
 _MAX_RESTORED_SEQ = 1 << 62
 
 
+def _resume_after(state: PartitionState, seq: int) -> None:
+    """Make the partition's next event ID come after `seq`, an ID an owner of it already handed out."""
+    state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
+
+
 class SowTopicEngine:
     """The partitions of one SOW topic that this runner owns."""
 
@@ -83,11 +88,25 @@ class SowTopicEngine:
         if not 0 <= seq < _MAX_RESTORED_SEQ:
             raise MalformedSowMessage(f"{H.SEQ} {seq} is not an event ID a worker writes (0 to 2**62)")
         if seq:
-            state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
+            _resume_after(state, seq)
         if change.record is None:
             state.remove(change.key)
         else:
             state.put(change.key, SowRecord(change.record, seq, change.expires_at, timestamp))
+
+    def resume_events(self, state: PartitionState, headers) -> None:
+        """Take the event ID of one of this topic's own output messages (the last `.diff` events of a
+        transient partition, which keeps no changelog, when it changes owner): the partition's next
+        one comes after it. A message without one, or with no event ID a worker writes, is passed over."""
+        for name, value in headers or ():
+            if name == H.SEQ:
+                try:
+                    seq = int(value)
+                except ValueError:
+                    return
+                if 0 < seq < _MAX_RESTORED_SEQ:
+                    _resume_after(state, seq)
+                return
 
     # inputs ---------------------------------------------------------------------------
     def handle(self, messages: Iterable[InputMessage], now: int, out: list, until: float | None = None) -> int:

@@ -381,3 +381,32 @@ def test_the_table_has_every_source_of_the_seeds():
     sources = {r.source.split(",")[0] for r in _rows()}
     channels = {f"UM {t} channel" for t in ("Persistent", "Mixed", "Reliable", "Simple", "Transient", "Off-heap", "Paged")}
     assert channels | {"AMPS persistent SOW topic", "AMPS transient SOW topic", "AMPS topic without a SOW"} == sources
+
+
+def test_a_transient_partitions_next_owner_numbers_its_events_after_the_last_owners(kafka_bootstrap, unique_name, tmp_path):
+    """A transient topic keeps no changelog, so a new owner of a partition took its event counter from
+    its own clock alone: IDs an owner whose clock ran ahead had handed out could come again (sow-seq
+    is never reused). It now reads the last events of `.diff`; here one an hour ahead of the clock."""
+    from .workers import producer, send
+
+    topic = unique_name
+    w1, client = start(kafka_bootstrap, tmp_path, topic, persistence="transient", partitions=1)
+    try:
+        client.publish(topic, {"id": 1})
+        client.flush()
+        wait_until(lambda: len(read_all(kafka_bootstrap, f"{topic}.diff", 1)) == 1)
+    finally:
+        w1.kill()
+    ahead = (int(time.time() * 1000) + 3_600_000) * 1000 << 10  # partition 0's, as an owner with a clock an hour ahead numbers them
+    p = producer(kafka_bootstrap)
+    send(p, f"{topic}.diff", {"id": 2}, b"k2", headers=[("sow-key", b"k2"), ("sow-op", b"insert"), ("sow-seq", b"%d" % ahead)])
+    p.flush(10)
+    w2, _ = start(kafka_bootstrap, tmp_path, topic, data="d2", name="w2", persistence="transient", partitions=1)
+    try:
+        client.publish(topic, {"id": 3})
+        client.flush()
+        events = wait_until(lambda: (d := read_all(kafka_bootstrap, f"{topic}.diff", 1)) and len(d) == 3 and d)
+        assert orjson.loads(events[2].value()) == {"id": 3}
+        assert int(headers_of(events[2])["sow-seq"]) > ahead
+    finally:
+        w2.kill()

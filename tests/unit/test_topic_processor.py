@@ -9,6 +9,8 @@ from processor.core.keys import owner_partition
 from processor.contract import headers as H
 from processor.contract.types import InputMessage
 from processor.engine.fold import SowFold
+from processor.engine.topic import SowTopicEngine
+from processor.state.base import open_partition_store
 from processor.testing import LocalTopic
 from processor.topology import parse_topology
 
@@ -670,3 +672,15 @@ def test_a_capacity_set_on_a_topic_that_holds_records_evicts_them(tmp_path):
     assert [orjson.loads(o.value)["id"] for o in by_topic(out)["orders.dead"]] == [0, 1, 2, 3]
     assert proc.stores[0].count() == 2
     proc.close()
+
+
+def test_an_event_id_read_back_from_diff_moves_the_counter_on_and_a_malformed_one_is_passed_over(tmp_path):
+    """A transient partition's next owner takes the last `.diff` events' IDs (resume_events)."""
+    engine = SowTopicEngine(parse_topology({"sow": [{"topic": "t", "key": ["/id"], "partitions": 1, "persistence": "transient"}]}).topic("t"))
+    store = open_partition_store("memory", None, engine.indexes)
+    for headers in ([("sow-seq", b"x")], [("sow-seq", b"%d" % (1 << 62))], [("sow-seq", b"-5")], [("sow-op", b"insert")], None):
+        engine.resume_events(store, headers)
+    assert store.counter() == 0
+    engine.resume_events(store, [("sow-key", b"k"), ("sow-seq", b"%d" % (7_000 << 10))])
+    engine.resume_events(store, [("sow-seq", b"%d" % (5_000 << 10))])  # an earlier one does not move it back
+    assert store.counter() == 7_000

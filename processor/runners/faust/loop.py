@@ -386,6 +386,7 @@ class _Batch:
 _CONSUME_SECONDS, _FILE_SECONDS, _APPLY_SECONDS, _SWEEP_SECONDS, _PREPARE_SECONDS, _COMMIT_WAIT_SECONDS, _STORE_COMMIT_SECONDS = (
     metrics.LOOP_SECONDS.labels(step) for step in metrics.LOOP_STEPS)
 
+_DIFF_TAIL = 16  # `.diff` offsets a transient partition's new owner reads back for the last event ID handed out
 _SAMPLE = 1024  # a `.sow` delivery report in this many of a partition's records (and its first of a cycle)
 
 
@@ -1288,7 +1289,9 @@ class SowLoop:
         task.store = store
         task.engine.detach(task.p)  # forget views' holds of an earlier, aborted attempt
         partition = task.engine.attach(task.p, store)
-        if spec.persistence is not Persistence.TRANSIENT:
+        if spec.persistence is Persistence.TRANSIENT:
+            self._resume_events(task, store)
+        else:
             count, reseed = self._replay_changelog(task, store)
             check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule: stop, say how to rebuild
             log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
@@ -1357,6 +1360,24 @@ class SowLoop:
             return count, recreated and store.count() > 0
         finally:
             consumer.close()
+
+    def _resume_events(self, task: Task, store: PartitionStore) -> None:
+        """A transient topic keeps no SOW, so no changelog says how far its event IDs went: its counter
+        would start from this worker's clock alone, and an owner before it whose clock ran ahead may
+        have handed out higher ones (`sow-seq` is never reused). The last committed events of its
+        `.diff` partition say (a transaction's marker follows its events: a few offsets back hold one)."""
+        topic = task.engine.spec.diff_topic
+        consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
+        try:
+            ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
+            if high > low:
+                consumer.assign([TopicPartition(topic, task.p, max(low, high - _DIFF_TAIL))])
+                for msg in read_until(consumer, {(topic, task.p): high}):
+                    task.engine.resume_events(store, message_headers(msg))
+        finally:
+            consumer.close()
+        if store.dirty:  # now, not with the first batch: an abort of that batch would forget it
+            store.commit()
 
     def _read_holds(self, task: Task) -> None:
         topic = task.engine.spec.holds_topic
