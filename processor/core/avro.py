@@ -39,7 +39,7 @@ class _Converters:
         self.named = named  # full name -> parsed definition (fastavro's named_schemas)
         self.reading = reading  # Avro -> core (else core -> Avro)
         self.tagged = tagged  # read with return_named_type: a union's named branch comes as (full name, value)
-        self.ambiguous = False  # a union of records or maps that fastavro reads alike (dicts) but converts apart
+        self.ambiguous = False  # a union of several records and maps: fastavro reads them alike (dicts), and writes a dict to the first that takes it
         self.built: dict[str, Convert | None] = {}
 
     def of(self, schema: Any, at: str) -> Convert | None:
@@ -95,7 +95,7 @@ class _Converters:
         _refuse_union(resolved, at)
         fns = [self.of(branch, at) for branch in branches]
         dicts = [(branch, schema, fn) for branch, schema, fn in zip(branches, resolved, fns) if _python_types(schema, True) == (dict,)]
-        ambiguous = len(dicts) > 1 and any(fn for _, _, fn in dicts)
+        ambiguous = len(dicts) > 1
         self.ambiguous = self.ambiguous or ambiguous
         by_type: dict[type, Convert] = {}
         by_name: dict[str, Convert] = {}
@@ -112,9 +112,12 @@ class _Converters:
                     by_type.pop(t, None)
             if ambiguous:
                 by_type[dict] = self._fitting(dicts, at)
-            kinds = {schema if isinstance(schema, str) else schema["type"] for schema in resolved}
-            if kinds & {"bytes", "fixed"} and kinds & {"array", "enum"}:
+            kinds = [schema if isinstance(schema, str) else schema["type"] for schema in resolved]
+            if {"bytes", "fixed"} & set(kinds) and {"array", "enum"} & set(kinds):
                 by_type[str] = self._text_branch(branches, resolved, fns, by_type.get(str))
+            whole = [(kind, branch) for kind, branch in zip(kinds, branches) if kind in ("int", "long")]
+            if whole and {"float", "double"} & set(kinds[:kinds.index(whole[0][0])]):
+                by_type[int] = self._whole_number_branch(whole, by_type.get(int))
         if not by_type and not by_name:
             return None
 
@@ -155,23 +158,41 @@ class _Converters:
         (`"\\x01"` would come back as `[1]`), and a symbol made bytes is no symbol. The first branch
         the string is a value of as the core reads them (`_is_read_as`), one that takes it as it is
         (string, enum) before one that converts it (bytes, fixed), is named in fastavro's tuple
-        notation (a named type by its name, another by its type), so that fastavro writes that one.
-        A string no branch takes goes as before, for fastavro to refuse."""
+        notation when it becomes bytes (a fixed by its name, bytes as `bytes`), so that fastavro writes
+        that one (`writer_schema` names such branches so that fastavro's union check takes the tag
+        too, in a union within a union). A string no branch takes goes as before, for fastavro to
+        refuse."""
         choices = []
         for branch, schema, fn in zip(branches, resolved, fns):
             kind = schema if isinstance(schema, str) else schema["type"]
             if kind in ("string", "enum", "bytes", "fixed"):
-                tag = schema["name"] if kind in ("enum", "fixed") else kind
+                tag = schema["name"] if kind == "fixed" else kind
                 choices.append((kind in ("bytes", "fixed"), branch, tag, fn))
         choices.sort(key=lambda c: c[0])  # stable: in the union's order within each kind
 
         def text(v: str) -> Any:
-            for _, branch, tag, fn in choices:
+            for converts, branch, tag, fn in choices:
                 if _is_read_as(v, branch, self.named):
-                    return tag, (fn(v) if fn else v)
+                    if not converts:
+                        return v  # a string or a symbol: no bytes, array or fixed branch takes it
+                    out = fn(v) if fn else v
+                    return (tag, out) if isinstance(out, bytes) else out  # bytes, which an array would take
             return otherwise(v) if otherwise else v
 
         return text
+
+    def _whole_number_branch(self, whole: list, otherwise: Convert | None) -> Convert:
+        """A writer of an int in a union where a float or a double comes before its int or long:
+        fastavro writes an int to the first branch that takes it, and a float takes any (16777217
+        came back as 16777216.0, and 5 as 5.0). The first int or long branch it fits is named in
+        fastavro's tuple notation; one that fits neither goes as before."""
+        def number(v: int) -> Any:
+            for kind, branch in whole:
+                if _is_read_as(v, branch, self.named):
+                    return kind, v
+            return otherwise(v) if otherwise else v
+
+        return number
 
     def _resolve(self, schema: Any) -> Any:
         return self.named.get(schema, schema) if isinstance(schema, str) else schema
@@ -207,7 +228,7 @@ def _python_types(schema: Any, reading: bool) -> tuple[type, ...]:
 def _is_read_as(v: Any, schema: Any, named: dict) -> bool:
     """Whether `v` is a value of the parsed `schema` exactly as the core reads one (JSON values: bytes
     as code points 0-255, a decimal as its text with `scale` digits after the point, a record with
-    every field)."""
+    every field, a float or a double as a float: an int goes to an int or a long first)."""
     schema = named.get(schema, schema) if isinstance(schema, str) else schema
     if isinstance(schema, list):
         return any(_is_read_as(v, branch, named) for branch in schema)
@@ -230,7 +251,7 @@ def _is_read_as(v: Any, schema: Any, named: dict) -> bool:
         return v in schema["symbols"]
     return {"null": v is None, "boolean": v.__class__ is bool, "string": isinstance(v, str),
             "int": v.__class__ is int and -(2**31) <= v < 2**31, "long": v.__class__ is int and -(2**63) <= v < 2**63,
-            "float": v.__class__ in (int, float), "double": v.__class__ in (int, float)}[kind]
+            "float": v.__class__ is float, "double": v.__class__ is float}[kind]
 
 
 def _same(v: Any) -> Any:
@@ -303,6 +324,40 @@ def _finite(at: str) -> Convert:
         return v
 
     return check
+
+
+_PRIMITIVE = ("null", "boolean", "int", "long", "float", "double", "bytes", "string")
+
+
+def writer_schema(schema: dict, named: dict) -> dict:
+    """The parsed schema, and its named types, as the writer is given them: in every union a named
+    type (record, enum, fixed) defined there is named instead, and a plain type by its name alone
+    (`{"type": "bytes"}` as `"bytes"`), so that a
+    branch in tuple notation (name, value) is found by fastavro's writer and by its check of a union
+    alike (the check finds a tuple's branch only among records and branches given by name). The
+    values written are the same bytes."""
+    def by_name(part: Any, in_union: bool = False) -> Any:
+        if isinstance(part, list):
+            return [by_name(branch, True) for branch in part]
+        if not isinstance(part, dict):
+            return part
+        kind = part.get("type")
+        if in_union and kind in ("record", "error", "enum", "fixed"):
+            return part["name"]
+        if in_union and kind in _PRIMITIVE and "logicalType" not in part:
+            return kind
+        out = {k: v for k, v in part.items() if k not in ("__fastavro_parsed", "__named_schemas")}
+        if "fields" in part:
+            out["fields"] = [{**f, "type": by_name(f["type"])} for f in part["fields"]]
+        for k in ("items", "values", "type"):
+            if isinstance(part.get(k), (dict, list)):
+                out[k] = by_name(part[k])
+        return out
+
+    written = by_name(schema)
+    written["__fastavro_parsed"] = True
+    written["__named_schemas"] = {name: by_name(definition) for name, definition in named.items()}
+    return written
 
 
 def converters(schema: Any, named: dict) -> tuple[Convert | None, Convert | None, bool]:

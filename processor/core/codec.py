@@ -118,7 +118,7 @@ class AvroCodec:
         import fastavro
         from fastavro import _read_py  # fastavro's pure-Python reader (its own fallback without the C extension)
 
-        from processor.core.avro import converters, wire_check, without_logical_types
+        from processor.core.avro import converters, wire_check, without_logical_types, writer_schema
 
         self._fastavro = fastavro
         try:
@@ -140,6 +140,7 @@ class AvroCodec:
         # A value longer than this may nest deep enough to overflow the C reader's stack (_C_READER_LEVELS).
         self._c_reader_bytes = _C_READER_LEVELS // containers if recursive else sys.maxsize
         self._check_wire = wire_check(self._wire, wire_named)
+        self._writer_schema = writer_schema(self.schema, named)
         # A union of several records and maps (all dicts) is read with its named branch's name, which
         # its converter takes off: the C reader and the Python one alike.
         self._c_reader, self._python_reader = fastavro.schemaless_reader, _read_py.schemaless_reader
@@ -174,7 +175,7 @@ class AvroCodec:
     def encode(self, record: dict) -> bytes:
         out = io.BytesIO()
         try:
-            self._fastavro.schemaless_writer(out, self.schema, self._to_avro(record) if self._to_avro else record)
+            self._fastavro.schemaless_writer(out, self._writer_schema, self._to_avro(record) if self._to_avro else record)
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:  # fastavro's refusals of a value
             raise InputError(f"the record does not fit the topic's Avro schema: {exc}") from None
         return out.getvalue()
