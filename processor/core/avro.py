@@ -113,11 +113,19 @@ class _Converters:
             if ambiguous:
                 by_type[dict] = self._fitting(dicts, at)
             kinds = [schema if isinstance(schema, str) else schema["type"] for schema in resolved]
+            # fastavro writes a value to the first branch that takes it. A string made bytes goes to an
+            # array (bytes are a sequence of ints: "\x01" came back as [1]) and is no enum's symbol:
+            # a string goes to a string or enum it is, else to the bytes or fixed it is (named).
             if {"bytes", "fixed"} & set(kinds) and {"array", "enum"} & set(kinds):
-                by_type[str] = self._text_branch(branches, resolved, fns, by_type.get(str))
-            whole = [(kind, branch) for kind, branch in zip(kinds, branches) if kind in ("int", "long")]
-            if whole and {"float", "double"} & set(kinds[:kinds.index(whole[0][0])]):
-                by_type[int] = self._whole_number_branch(whole, by_type.get(int))
+                plain = [(branch, None, None) for kind, branch in zip(kinds, branches) if kind in ("string", "enum")]
+                raw = [(branch, None if isinstance(schema, dict) and schema.get("logicalType") == "decimal"  # a Decimal: no array takes it
+                            else schema["name"] if kind == "fixed" else "bytes", fn)
+                       for kind, branch, schema, fn in zip(kinds, branches, resolved, fns) if kind in ("bytes", "fixed")]
+                by_type[str] = self._first_exact(plain + raw, by_type.get(str))
+            # A float takes any int (16777217 came back as 16777216.0): an int goes to its int or long.
+            whole = [(branch, kind, None) for kind, branch in zip(kinds, branches) if kind in ("int", "long")]
+            if whole and {"float", "double"} & set(kinds[:kinds.index(whole[0][1])]):
+                by_type[int] = self._first_exact(whole, by_type.get(int))
         if not by_type and not by_name:
             return None
 
@@ -152,47 +160,21 @@ class _Converters:
 
         return fitting
 
-    def _text_branch(self, branches: list, resolved: list, fns: list, otherwise: Convert | None) -> Convert:
-        """A writer of a string in a union of bytes or a fixed with an array or an enum, where fastavro
-        would write it, once converted, to another branch: bytes are a sequence of ints to an array
-        (`"\\x01"` would come back as `[1]`), and a symbol made bytes is no symbol. The first branch
-        the string is a value of as the core reads them (`_is_read_as`), one that takes it as it is
-        (string, enum) before one that converts it (bytes, fixed), is named in fastavro's tuple
-        notation when it becomes bytes (a fixed by its name, bytes as `bytes`), so that fastavro writes
-        that one (`writer_schema` names such branches so that fastavro's union check takes the tag
-        too, in a union within a union). A string no branch takes goes as before, for fastavro to
-        refuse."""
-        choices = []
-        for branch, schema, fn in zip(branches, resolved, fns):
-            kind = schema if isinstance(schema, str) else schema["type"]
-            if kind in ("string", "enum", "bytes", "fixed"):
-                tag = schema["name"] if kind == "fixed" else kind
-                choices.append((kind in ("bytes", "fixed"), branch, tag, fn))
-        choices.sort(key=lambda c: c[0])  # stable: in the union's order within each kind
-
-        def text(v: str) -> Any:
-            for converts, branch, tag, fn in choices:
+    def _first_exact(self, choices: list, otherwise: Convert | None) -> Convert:
+        """A writer of a value in a union that fastavro would write to another branch than its own:
+        the first of `choices` (branch, tag, converter) the value is exactly a value of as the core
+        reads them (`_is_read_as`), converted, and named by its tag in fastavro's tuple notation (no
+        tag: no earlier branch takes the value as it is). `writer_schema` names union branches so that
+        fastavro's union check finds the tag too, in a union within a union. A value no choice takes
+        goes as before (`otherwise`), for fastavro to refuse."""
+        def choose(v: Any) -> Any:
+            for branch, tag, fn in choices:
                 if _is_read_as(v, branch, self.named):
-                    if not converts:
-                        return v  # a string or a symbol: no bytes, array or fixed branch takes it
                     out = fn(v) if fn else v
-                    return (tag, out) if isinstance(out, bytes) else out  # bytes, which an array would take
+                    return out if tag is None else (tag, out)
             return otherwise(v) if otherwise else v
 
-        return text
-
-    def _whole_number_branch(self, whole: list, otherwise: Convert | None) -> Convert:
-        """A writer of an int in a union where a float or a double comes before its int or long:
-        fastavro writes an int to the first branch that takes it, and a float takes any (16777217
-        came back as 16777216.0, and 5 as 5.0). The first int or long branch it fits is named in
-        fastavro's tuple notation; one that fits neither goes as before."""
-        def number(v: int) -> Any:
-            for kind, branch in whole:
-                if _is_read_as(v, branch, self.named):
-                    return kind, v
-            return otherwise(v) if otherwise else v
-
-        return number
+        return choose
 
     def _resolve(self, schema: Any) -> Any:
         return self.named.get(schema, schema) if isinstance(schema, str) else schema
