@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 from pathlib import Path
+from typing import Iterator
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME as _LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -1366,29 +1367,25 @@ class SowLoop:
         would start from this worker's clock alone, and an owner before it whose clock ran ahead may
         have handed out higher ones (`sow-seq` is never reused). The last committed events of its
         `.diff` partition say (a transaction's marker follows its events: a few offsets back hold one)."""
-        topic = task.engine.spec.diff_topic
-        consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
-        try:
-            ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
-            if high > low:
-                consumer.assign([TopicPartition(topic, task.p, max(low, high - _DIFF_TAIL))])
-                for msg in read_until(consumer, {(topic, task.p): high}):
-                    task.engine.resume_events(store, message_headers(msg))
-        finally:
-            consumer.close()
+        for msg in self._read_committed(task.engine.spec.diff_topic, task.p, last=_DIFF_TAIL):
+            task.engine.resume_events(store, message_headers(msg))
         if store.dirty:  # now, not with the first batch: an abort of that batch would forget it
             store.commit()
 
     def _read_holds(self, task: Task) -> None:
-        topic = task.engine.spec.holds_topic
+        for msg in self._read_committed(task.engine.spec.holds_topic, task.p):
+            for view in task.engine.views:
+                view.restore_hold(task.p, msg.key(), msg.value())
+
+    def _read_committed(self, topic: str, p: int, last: int | None = None) -> Iterator:
+        """The committed messages of one partition up to its end as of now: all of them, or those of
+        its `last` offsets."""
         consumer = make_consumer(self.bootstrap, **{"isolation.level": "read_committed"})
         try:
-            ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
+            ((low, high),) = end_offsets(consumer, topic, [p]).values()
             if high > low:
-                consumer.assign([TopicPartition(topic, task.p, low)])
-                for msg in read_until(consumer, {(topic, task.p): high}):
-                    for view in task.engine.views:
-                        view.restore_hold(task.p, msg.key(), msg.value())
+                consumer.assign([TopicPartition(topic, p, low if last is None else max(low, high - last))])
+                yield from read_until(consumer, {(topic, p): high})
         finally:
             consumer.close()
 
