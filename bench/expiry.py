@@ -172,7 +172,7 @@ def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
     db = Rdict(data_dir, options)
     loads, dumps, produce, pack, unpack = orjson.loads, orjson.dumps, producer.produce, _BE64.pack, _BE64.unpack_from
     outputs = {t: (f"{t}.sow", f"{t}.diff") for t in (exp, load)}
-    expired_topic = f"EXP.{exp}"
+    expired_topic, origin = f"EXP.{exp}", ("sow-topic", exp.encode())
     exp_sow, exp_diff = outputs[exp]
     key_paths = (("id",),)
     counters = [0] * PARTITIONS
@@ -231,7 +231,7 @@ def plain_worker(bootstrap: str, exp: str, load: str, data_dir: str) -> None:
                            ("sow-expires-at", b"%d" % unpack(stored)[0]), ("sow-actual-expiry", b"%d" % now)]
                 produce(exp_sow, None, key, p, None, None, 0, headers)
                 produce(exp_diff, last, key, p, None, None, 0, headers)
-                produce(expired_topic, last, key, p, None, None, 0, headers)
+                produce(expired_topic, last, key, p, None, None, 0, [*headers, origin])
                 batch.delete(k)
                 batch.delete(b"r" + key)
                 staged[key] = None

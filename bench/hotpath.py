@@ -171,7 +171,7 @@ def plain_loop(messages: list[InputMessage], folder: Path) -> float:
 def plain_expiry(n: int, folder: Path, producer) -> float:
     """The least an expiry can cost in Python here: rocksdict's range scan of an expiry index whose
     entries carry the record, the three messages with their five headers (`.sow` tombstone, `.diff`
-    and `EXP.` with the last record), the two deletes in a WriteBatch. No event-ID counter, no
+    and `EXP.` with the last record, and its sow-topic), the two deletes in a WriteBatch. No event-ID counter, no
     staging, no checks."""
     from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
@@ -204,7 +204,7 @@ def plain_expiry(n: int, folder: Path, producer) -> float:
             last = v[24:]
             produce("hot_exp.sow", None, kb, 0, None, None, 0, headers)
             produce("hot_exp.diff", last, kb, 0, None, None, 0, headers)
-            produce("EXP.hot_exp", last, kb, 0, None, None, 0, headers)
+            produce("EXP.hot_exp", last, kb, 0, None, None, 0, [*headers, ("sow-topic", b"hot_exp")])
             batch.delete(k)
             batch.delete(b"r" + kb)
             done += 1

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, unique_name  # noqa: E402
 from processor.contract.types import Op, SowRecord  # noqa: E402
 from processor.core.codec import JsonCodec  # noqa: E402
-from processor.engine.outputs import Streams, render_removal  # noqa: E402
+from processor.engine.outputs import Streams, render_removal, sink  # noqa: E402
 from processor.kafka.clients import make_producer  # noqa: E402
 
 PARTITIONS = 4
@@ -35,12 +35,11 @@ PARTITIONS = 4
 
 def expiry_messages() -> list[tuple]:
     """The (key, value, headers) of the three messages the engine renders for one expiry."""
-    streams = Streams("x.sow", "x.diff", "EXP.x", "x.dead", "x.errors", "x.repartition")
+    streams = Streams("x.sow", "x.diff", "EXP.x", "x.dead", "x.errors", "x.repartition", ("sow-topic", b"x"))
     record = SowRecord({"id": 1, "px": 0.5, "side": "B", "desk": "d1"}, 1795000000000 << 10, 1795000000000, 1794999940000)
-    sent: list[tuple] = []
-    render_removal(Op.EXPIRE, b'["exp",1]', record, (1795000000021 << 10) | 1, 1795000000021, 0, JsonCodec(), streams,
-                   lambda topic, p, key, value, headers, changelog=False, timestamp=0: sent.append((key, value, headers)))
-    return sent
+    sent: list = []
+    render_removal(Op.EXPIRE, b'["exp",1]', record, (1795000000021 << 10) | 1, 1795000000021, 0, JsonCodec(), streams, sink(sent))
+    return [(o.key, o.value, o.headers) for o in sent]
 
 
 def _process_cpu() -> float:

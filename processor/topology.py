@@ -245,6 +245,9 @@ class SowTopic(BaseModel):
         return [KafkaTopic(name, role, field) for name, role, field in named if name is not None]
 
 
+_SHAREABLE = ("expiry topic", "dead event topic")  # roles several SOW topics may give one Kafka topic
+
+
 class KafkaTopic(NamedTuple):
     """One Kafka topic of a topology: its name, its role and the topology field that names it."""
 
@@ -350,15 +353,17 @@ class Topology(BaseModel):
     def _check_topic_roles(self) -> None:
         """Every Kafka topic the topology reads or writes has one role: no topic is written by two
         SOW topics or views, and none that is written is also read as an input (`expiry_topic: t`
-        on topic t would read every expired record back as a publish). The one sharing allowed is a
-        SOW topic's expired and dead records in one topic (as with `expiry_topic: none`)."""
+        on topic t would read every expired record back as a publish). The one sharing allowed is
+        of expired and dead records: any SOW topics may send them to one topic (as Artemis queues
+        share an expiry address and UM channels a dead event store; each message there names its
+        SOW topic in `sow-topic`), and one SOW topic both kinds (as with `expiry_topic: none`)."""
         roles: dict[str, tuple[str, str]] = {}  # topic -> (owner, what it is to the owner)
 
         def claim(topics: list[KafkaTopic], where: str, owner: str) -> None:
             for name, what, field in topics:
                 if name in roles:
                     other_owner, other_what = roles[name]
-                    if other_owner == owner and {what, other_what} == {"expiry topic", "dead event topic"}:
+                    if what in _SHAREABLE and other_what in _SHAREABLE:
                         continue
                     raise ValueError(f"{where}.{field}: {what} {name!r} is also the {other_what} of {other_owner}")
                 roles[name] = (owner, what)

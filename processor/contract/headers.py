@@ -14,6 +14,9 @@ SEQ = "sow-seq"  # event ID
 EXPIRES_AT = "sow-expires-at"  # epoch ms (absent: never)
 ACTUAL_EXPIRY = "sow-actual-expiry"  # epoch ms the record was expired
 OOF_REASON = "sow-oof-reason"  # on view oof events
+# On expiry and dead event topics only: the SOW topic the record left. Several SOW topics may share
+# one such topic (as Artemis queues share an expiry address, whose messages say their origin).
+TOPIC = "sow-topic"
 
 # On `<topic>.errors`.
 ERROR = "sow-error"  # why the input could not be applied

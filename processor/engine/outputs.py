@@ -35,10 +35,12 @@ class Streams:
     dead: str
     errors: str
     repartition: str
+    origin: tuple[str, bytes]  # the sow-topic header of what goes to `expired` or `dead` (shareable topics)
 
     @classmethod
     def of(cls, spec: SowTopic) -> "Streams":
-        return cls(spec.sow_topic, spec.diff_topic, spec.expired_topic, spec.dead_topic, spec.errors_topic, spec.repartition_topic)
+        return cls(spec.sow_topic, spec.diff_topic, spec.expired_topic, spec.dead_topic, spec.errors_topic, spec.repartition_topic,
+                   (H.TOPIC, spec.topic.encode()))
 
 
 class Sink(Protocol):
@@ -51,11 +53,11 @@ class Sink(Protocol):
         ...
 
     def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
-               timestamp: int = 0, side: str | None = None) -> None:
-        """The messages of one transition, with the same key and headers: `value` on `sow` (None: a
-        tombstone) stamped `timestamp` (0: now), `told` on `diff` and, when given, on `side` (`EXP.`
-        or `.dead`). Every input and every expiry sends these: a buffer does its bookkeeping once
-        for them."""
+               timestamp: int = 0, side: str | None = None, side_headers: list | None = None) -> None:
+        """The messages of one transition, with the same key: `value` on `sow` (None: a tombstone)
+        stamped `timestamp` (0: now) and `told` on `diff`, both with `headers`, and, when given,
+        `told` on `side` (`EXP.` or `.dead`) with `side_headers`. Every input and every expiry
+        sends these: a buffer does its bookkeeping once for them."""
         ...
 
 
@@ -78,12 +80,12 @@ class _Collector:
         self.append(Output(topic, partition, key, value, headers, changelog, timestamp))
 
     def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
-               timestamp: int = 0, side: str | None = None) -> None:
+               timestamp: int = 0, side: str | None = None, side_headers: list | None = None) -> None:
         append = self.append
         append(Output(sow, partition, key, value, headers, True, timestamp))
         append(Output(diff, partition, key, told, headers))
         if side is not None:
-            append(Output(side, partition, key, told, headers))
+            append(Output(side, partition, key, told, side_headers))
 
 
 def render(t: Transition, p: int, codec: Codec, streams: Streams, out: Sink, stored: bool = True, max_bytes: int = 0) -> None:
@@ -143,7 +145,7 @@ def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, 
     if last is None or codec.name != "json":
         last = codec.encode(before.data)
     side = (streams.expired or streams.dead) if op is _EXPIRE else streams.dead if op is _EVICT else None
-    out.change(streams.sow, streams.diff, p, key, None, last, headers, 0, side)
+    out.change(streams.sow, streams.diff, p, key, None, last, headers, 0, side, None if side is None else [*headers, streams.origin])
 
 
 def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:

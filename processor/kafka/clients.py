@@ -15,7 +15,7 @@ from processor.contract.errors import ConfigError
 from processor.contract.types import UnreadableHeaders
 from processor.contract.limits import MAX_FUTURE_STAMP_MS, read_idle_timeout
 from processor.kafka.config import kafka_config
-from processor.topology import SowTopic
+from processor.topology import SowTopic, Topology
 
 log = logging.getLogger("ksow.kafka")
 
@@ -185,6 +185,17 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     }
 
 
+def topology_topic_configs(topology: Topology) -> dict[str, tuple[int, dict[str, str]]]:
+    """Every topic of a topology's SOW topics and views (`topic_configs`). A topic several SOW
+    topics share (their expired and dead records) gets the most partitions any of them writes to:
+    partition p of a SOW topic writes to partition p there."""
+    wanted: dict[str, tuple[int, dict[str, str]]] = {}
+    for spec in topology.sow:
+        for name, (n, configs) in topic_configs(spec, topology.views_of(spec.topic)).items():
+            wanted[name] = (max(n, wanted[name][0]) if name in wanted else n, configs)
+    return wanted
+
+
 REPLICATION_FACTOR_ENV = "KSOW_REPLICATION_FACTOR"
 MIN_INSYNC_REPLICAS_ENV = "KSOW_MIN_INSYNC_REPLICAS"
 
@@ -228,6 +239,13 @@ def ensure_topics(
     already say min.insync.replicas.
     """
     meta = admin.list_topics(timeout=timeout)
+    # Partition p of a SOW topic writes to partition p of each of its topics: fewer cannot be
+    # written to. More can (an input's exact count is `check_partitions`').
+    short = [f"{name} has {len(meta.topics[name].partitions)} partitions, {n} are needed" for name, (n, _) in sorted(wanted.items())
+             if name in meta.topics and len(meta.topics[name].partitions) < n]
+    if short:
+        raise ConfigError(f"{'; '.join(short)}: add partitions to those topics (kafka-topics.sh --alter --partitions N), "
+                          "or name other topics in the topology")
     missing = {name: spec for name, spec in wanted.items() if name not in meta.topics}
     if missing:
         env_factor, env_min_insync = _env_count(REPLICATION_FACTOR_ENV), _env_count(MIN_INSYNC_REPLICAS_ENV)
@@ -254,7 +272,7 @@ def ensure_topics(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         meta = admin.list_topics(timeout=timeout).topics
-        if all(name in meta and len(meta[name].partitions) == wanted[name][0] for name in wanted):
+        if all(name in meta and len(meta[name].partitions) >= n for name, (n, _) in wanted.items()):
             return
         time.sleep(0.1)
     raise TimeoutError(f"topics not visible after {timeout}s: {sorted(wanted)}")

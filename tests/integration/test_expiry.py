@@ -8,12 +8,16 @@ from collections import Counter
 
 import orjson
 import pytest
+import yaml
 
 from processor.client.sow_client import Client
+from processor.contract.errors import ConfigError
+from processor.core.keys import owner_partition
+from processor.kafka.clients import ensure_topics, make_admin
 from processor.kafka.registry import live_workers
 from processor.topology import load_topology
 
-from .workers import Worker, headers_of, read_all, wait_until, write_topology
+from .workers import Worker, headers_of, read_all, read_topic, wait_until, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -230,3 +234,47 @@ def test_a_lifetime_counts_from_arrival_not_from_a_skewed_publisher_clock(env, k
     assert sent + 30_000 - 2_000 <= entry.expires_at <= int(time.time() * 1000) + 30_000
     sow = read_all(kafka_bootstrap, f"{topic}.sow")
     assert [headers_of(m)["sow-op"] for m in sow] == ["insert"]
+
+
+def test_sow_topics_share_an_expiry_topic(kafka_bootstrap, unique_name, tmp_path):
+    """Seed 004: many queues may share one expiry address. Two SOW topics of 2 and 6 partitions send
+    their expired records to one topic, created with 6 partitions; each record there says which SOW
+    topic it left (`sow-topic`), in the partition of its SOW partition."""
+    shared, a, b = f"{unique_name}_expired", f"{unique_name}_a", f"{unique_name}_b"
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"sow": [
+        {"topic": a, "key": ["/id"], "partitions": 2, "expiration": "1s", "expiry_topic": shared},
+        {"topic": b, "key": ["/id"], "partitions": 6, "expiration": "1s", "expiry_topic": shared},
+    ]}))
+    topology = load_topology(path)
+    client = Client(kafka_bootstrap, topology)
+    w = Worker(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        keys = {t: {client.publish(t, {"id": i, "from": t}): i for i in range(8)} for t in (a, b)}
+        client.flush()
+        found = wait_until(lambda: len(m := read_topic(kafka_bootstrap, shared)) >= 16 and m, timeout=60, interval=0.3)
+    finally:
+        w.kill()
+    admin = make_admin(kafka_bootstrap)
+    assert len(admin.list_topics(shared, timeout=10).topics[shared].partitions) == 6
+    seen: dict[str, set] = {a: set(), b: set()}
+    for m in found:
+        h = headers_of(m)
+        topic = h["sow-topic"]
+        spec = topology.topic(topic)
+        assert h["sow-op"] == "expire" and orjson.loads(m.value())["from"] == topic
+        assert m.partition() == owner_partition(h["sow-key"], spec.partitions) and m.key().decode() == h["sow-key"]
+        seen[topic].add(h["sow-key"])
+    assert len(found) == 16 and seen == {t: set(keys[t]) for t in (a, b)}
+    # `.sow` and `.diff` are each SOW topic's own: no sow-topic header there.
+    assert not any("sow-topic" in headers_of(m) for t in (a, b) for m in read_topic(kafka_bootstrap, f"{t}.diff"))
+
+
+def test_a_topic_with_fewer_partitions_than_its_writers_need_is_refused(kafka_bootstrap, unique_name, admin):
+    """A shared expiry topic made for a 2-partition SOW topic cannot take partition 3 of another:
+    the worker says so at start instead of waiting and failing on a timeout."""
+    name = f"{unique_name}_short"
+    ensure_topics(admin, {name: (2, {})})
+    with pytest.raises(ConfigError, match=f"{name} has 2 partitions, 4 are needed: add partitions"):
+        ensure_topics(admin, {name: (4, {})})
+    ensure_topics(admin, {name: (1, {})})  # more than needed is fine

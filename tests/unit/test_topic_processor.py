@@ -184,6 +184,27 @@ def test_expiry_removes_due_records_with_all_outputs(tmp_path):
     assert proc.stores[p].count() == 0
 
 
+def test_expired_and_evicted_records_name_their_sow_topic_where_topics_may_share_them(tmp_path):
+    """Several SOW topics may send expired and dead records to one topic: each message there says
+    which SOW topic it left (`sow-topic`); `.sow` and `.diff` are the topic's own and do not."""
+    topo = parse_topology({"sow": [
+        {"topic": t, "key": ["/id"], "partitions": 1, "expiration": "10s", "capacity": 1, "expiry_topic": "gone", "dead_event_topic": "gone"}
+        for t in ("a", "b")]})
+    for spec in topo.sow:
+        proc = LocalTopic(spec, tmp_path / spec.topic)
+        t = spec.topic
+        evicted = by_topic(run(proc, [InputMessage(t, 0, i, None, orjson.dumps({"id": i}), None, 1_000 + i) for i in range(2)]))
+        expired = by_topic(proc.expire_due(0, now=20_000))
+        proc.commit(0)
+        (dead,), (exp,) = evicted["gone"], expired["gone"]
+        assert (hdr(dead, "sow-op"), hdr(exp, "sow-op")) == (b"evict", b"expire")
+        assert hdr(dead, H.TOPIC) == hdr(exp, H.TOPIC) == t.encode()
+        own = evicted[f"{t}.sow"] + evicted[f"{t}.diff"] + expired[f"{t}.sow"] + expired[f"{t}.diff"]
+        assert len(own) == 8 and all(hdr(o, H.TOPIC) is None for o in own)  # two inserts, an eviction, an expiry
+        assert dict(exp.headers).keys() - {H.TOPIC} == dict(expired[f"{t}.diff"][0].headers).keys()
+        proc.close()
+
+
 def test_a_sweep_tells_how_many_it_expired_and_the_oldest_instant(tmp_path):
     """What a worker's ksow_expiry_lateness_seconds observes: `now` less the oldest instant a sweep
     expired, whatever order the records were published in; a sweep with a limit starts from the

@@ -120,8 +120,9 @@ def test_a_sow_topic_may_not_be_the_changelog_of_another():
     ([{"topic": "a"}, {"topic": "v.sow"}], "v", "views[v].name: changelog 'v.sow' is also the input of SOW topic 'v.sow'"),
     ([{"topic": "a"}], "a.errors", None),  # a.errors.sow / a.errors.diff: no clash
     ([{"topic": "a", "expiry_topic": "v.sow"}], "v", "views[v].name: changelog 'v.sow' is also the expiry topic of SOW topic 'a'"),
-    ([{"topic": "a"}, {"topic": "b", "dead_event_topic": "a.dead"}], "v",
-     "sow[b].dead_event_topic: dead event topic 'a.dead' is also the dead event topic of SOW topic 'a'"),
+    ([{"topic": "a"}, {"topic": "b", "dead_event_topic": "a.dead"}], "v", None),  # shared dead event topics: see below
+    ([{"topic": "a"}, {"topic": "b", "expiry_topic": "a.errors"}], "v",
+     "sow[b].expiry_topic: expiry topic 'a.errors' is also the errors topic of SOW topic 'a'"),
 ])
 def test_views_and_sow_topics_write_topics_of_their_own(sow, view, message):
     raw = {"sow": sow, "views": [{"name": view, "topic": "a"}]}
@@ -147,6 +148,29 @@ def test_expired_and_dead_records_may_share_a_topic():
     """As with `expiry_topic: none`, where expired records go to the dead event topic."""
     parse_topology({"sow": [{"topic": "a", "expiry_topic": "a.dead"}]})
     parse_topology({"sow": [{"topic": "a", "expiry_topic": "gone", "dead_event_topic": "gone"}]})
+
+
+def test_sow_topics_may_share_expiry_and_dead_event_topics():
+    """Seed 004: many queues may be bound to one expiry address; seed 002: a dead event store is a
+    channel like any other. Each message there names its SOW topic (`sow-topic`)."""
+    topo = parse_topology({"sow": [
+        {"topic": "a", "expiry_topic": "expired", "dead_event_topic": "dead", "partitions": 2},
+        {"topic": "b", "expiry_topic": "expired", "partitions": 8},
+        {"topic": "c", "expiry_topic": "dead", "dead_event_topic": "expired", "partitions": 4},
+    ]})
+    assert [t.expired_topic for t in topo.sow] == ["expired", "expired", "dead"]
+    from processor.kafka.clients import topology_topic_configs
+
+    configs = topology_topic_configs(topo)
+    assert configs["expired"] == (8, {}) and configs["dead"] == (4, {}), "the most partitions any SOW topic writes to"
+    assert configs["a.sow"][0] == 2 and configs["b.sow"][0] == 8
+
+
+def test_a_shared_expiry_topic_is_still_no_other_role():
+    assert _rejected({"sow": [{"topic": "a", "expiry_topic": "b.diff"}, {"topic": "b"}]}) == (
+        "sow[b].topic: diff topic 'b.diff' is also the expiry topic of SOW topic 'a'")
+    assert _rejected({"sow": [{"topic": "a", "expiry_topic": "x"}, {"topic": "b", "expiry_topic": "x"}, {"topic": "x"}]}) == (
+        "sow[x].topic: input 'x' is also the expiry topic of SOW topic 'a'")
 
 
 def test_duplicate_and_unknown_topics_are_named():

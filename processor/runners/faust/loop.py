@@ -286,7 +286,7 @@ class _Batch:
             self._maybe_kill(1)
 
     def change(self, sow: str, diff: str, partition: int, key: bytes, value: bytes | None, told: bytes, headers: list,
-               timestamp: int = 0, side: str | None = None) -> None:
+               timestamp: int = 0, side: str | None = None, side_headers: list | None = None) -> None:
         """Produce one transition's messages into the cycle's transaction (Sink.change): `send`'s
         work, done once for the two or three (every input and every expiry comes through here)."""
         if self.error is not None:
@@ -305,11 +305,11 @@ class _Batch:
             produce(diff, told, key, partition, failures, None, 0, headers)
             if side is not None:
                 done = 2
-                produce(side, told, key, partition, failures, None, 0, headers)
+                produce(side, told, key, partition, failures, None, 0, side_headers)
         except (BufferError, KafkaException):  # the one refused and those after it, one at a time
             rest = [(Output(sow, partition, key, value, headers, True, timestamp), callback), (Output(diff, partition, key, told, headers), failures)]
             if side is not None:
-                rest.append((Output(side, partition, key, told, headers), failures))
+                rest.append((Output(side, partition, key, told, side_headers), failures))
             for o, cb in rest[done:]:
                 if not self._produce_refused(o, cb):
                     return

@@ -24,7 +24,7 @@ import mode
 from faust.app.base import BootStrategy
 
 from processor.contract.errors import ConfigError, KsowError
-from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topic_configs
+from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topology_topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
 from processor.runners.faust.web import WebSettings, install_web
@@ -152,9 +152,7 @@ class SowWorker:
 
     def create_topics(self) -> None:
         admin = make_admin(self.bootstrap)
-        wanted: dict = {}
-        for engine in self.loop.engines.values():
-            wanted.update(topic_configs(engine.spec, [v.view for v in engine.views]))
+        wanted = topology_topic_configs(self.topology)
         replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
         ensure_topics(admin, wanted, **replication)
         ensure_registry(admin, **replication)

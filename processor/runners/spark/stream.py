@@ -296,14 +296,12 @@ def run_stream(
     with the same directory to carry on where it stopped. With `block=False`, returns the
     (SparkSession, queries) for the caller to watch and stop.
     """
-    from processor.kafka.clients import ensure_topics, make_admin, topic_configs
+    from processor.kafka.clients import ensure_topics, make_admin, topology_topic_configs
     from processor.batch.session import get_spark
 
     check_topology(topology)
-    admin = make_admin(bootstrap)
-    for spec in topology.sow:
-        ensure_topics(admin, topic_configs(spec, topology.views_of(spec.topic)),
-                      replication_factor=topology.replication_factor, min_insync_replicas=topology.min_insync_replicas)
+    ensure_topics(make_admin(bootstrap), topology_topic_configs(topology),
+                  replication_factor=topology.replication_factor, min_insync_replicas=topology.min_insync_replicas)
     spark = get_spark(master, "ksow-stream", conf)
     queries = [build_query(spark, bootstrap, spec, checkpoint_dir, trigger, base=topology_dir, views=topology.views_of(spec.topic)) for spec in topology.sow]
     log.info("spark streaming: %d SOW topics, checkpoints in %s", len(queries), checkpoint_dir)
