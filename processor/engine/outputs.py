@@ -142,10 +142,15 @@ def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, 
     if op is _EXPIRE:
         headers.append((_ACTUAL_EXPIRY, b"%d" % at_ms))
     last = before.json
-    if last is None or codec.name != "json":
-        last = codec.encode(before.data)
+    if last is None:
+        last = orjson.dumps(before.data)
     side = (streams.expired or streams.dead) if op is _EXPIRE else streams.dead if op is _EVICT else None
-    out.change(streams.sow, streams.diff, p, key, None, last, headers, 0, side, None if side is None else [*headers, streams.origin])
+    if side is None or codec.name == "json":
+        out.change(streams.sow, streams.diff, p, key, None, last, headers, 0, side, None if side is None else [*headers, streams.origin])
+        return
+    # `.diff` carries JSON whatever the message type; `EXP.` and `.dead` the record as it was.
+    out.change(streams.sow, streams.diff, p, key, None, last, headers)
+    out.send(side, p, key, codec.encode(before.data), [*headers, streams.origin])
 
 
 def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:

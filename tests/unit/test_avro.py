@@ -217,6 +217,27 @@ def test_an_avro_delta_on_no_record_stores_what_sow_carries(tmp_path):
     assert orjson.loads(out[1].value) == delta
 
 
+def test_an_avro_topic_s_diff_carries_json_for_removals_too(tmp_path):
+    """`.diff` of an Avro topic carries JSON (README): its delete, expire and evict events carried
+    the record in Avro, so a reader of `.diff` had to pick a decoder by sow-op. `EXP.` and `.dead`
+    keep the record as it was, in Avro."""
+    spec = parse_topology({"sow": [{"topic": "ao", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA),
+                                    "partitions": 1, "expiration": "1s", "capacity": 1}]}).topic("ao")
+    proc = LocalTopic(spec, tmp_path)
+    first, second = ({"order_id": n, "customer": "ann", "status": "open", "qty": 5, "px": 1.5} for n in (1, 2))
+    proc.handle([InputMessage("ao", 0, 0, None, encode(first), [], 1_000)], now=1_000)
+    out = proc.handle([InputMessage("ao", 0, 1, None, encode(second), [], 1_500)], now=1_500)  # evicts the first record
+    out += proc.handle([InputMessage("ao", 0, 2, None, encode(second), [("sow-command", b"sow_delete")], 1_600)], now=1_600)
+    out += proc.handle([InputMessage("ao", 0, 3, None, encode(first), [], 1_700)], now=1_700)
+    proc.commit()
+    out += proc.expire_due(0, 5_000)
+    removals = [(r.topic, dict(r.headers)["sow-op"], r.value) for r in out if r.value is not None and dict(r.headers)["sow-op"] != b"insert"]
+    codec = AvroCodec(SCHEMA)
+    assert [(topic, op, orjson.loads(value) if topic == "ao.diff" else codec.decode(value)) for topic, op, value in removals] == [
+        ("ao.diff", b"evict", first), ("ao.dead", b"evict", first), ("ao.diff", b"delete", second),
+        ("ao.diff", b"expire", first), ("EXP.ao", b"expire", first)]
+
+
 def test_a_union_writes_a_plain_value_to_its_plain_branch(tmp_path):
     """A number in a union of a long and a decimal stays a long, a string in a union of a string and
     bytes stays a string: only values no plain branch takes are converted."""
