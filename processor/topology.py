@@ -182,11 +182,16 @@ class SowTopic(BaseModel):
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the operator meant (logged at start)."""
         policy = self.expiry
-        if policy.default_ms is not None and (policy.min_ms is not None or policy.max_ms is not None):
-            clamps = ", ".join(n for n, v in (("min_expiration", policy.min_ms), ("max_expiration", policy.max_ms)) if v is not None)
+        clamps = ", ".join(n for n, v in (("min_expiration", policy.min_ms), ("max_expiration", policy.max_ms)) if v is not None)
+        if clamps and policy.default_ms is not None:
             return [
                 f"sow[{self.topic}]: expiration {self.expiration} is a topic default lifetime, which overrides {clamps} "
                 "(as Artemis expiry-delay overrides min/max-expiry-delay): no lifetime of this topic is clamped"
+            ]
+        if clamps and not policy.active:
+            return [
+                f"sow[{self.topic}]: expiration is disabled, so {clamps} only stamps this topic's records with instants "
+                "(sow-expires-at) that never expire: set expiration: enabled for the clamped lifetimes to expire"
             ]
         return []
 

@@ -85,6 +85,17 @@ def test_warns_when_a_topic_default_overrides_clamps():
     assert warning.startswith("sow[a]: expiration 30s") and "overrides max_expiration" in warning
 
 
+def test_warns_when_clamps_give_instants_that_never_expire():
+    """Clamps on a topic whose expiration is disabled stamp every record with an instant (an hour
+    ahead with max_expiration: 1h) that no worker acts on: valid, but not what an operator meant."""
+    topo = parse_topology({"sow": [{"topic": "a", "max_expiration": "1h"}, {"topic": "b", "expiration": "disabled", "min_expiration": "1s"},
+                                   {"topic": "c", "expiration": "enabled", "max_expiration": "1h"}]})
+    assert topo.sow[0].expiry.expires_at(1_000, None) == 1_000 + 3_600_000 and not topo.sow[0].expiry.active
+    first, second = topo.warnings()
+    assert first.startswith("sow[a]: expiration is disabled, so max_expiration only stamps") and "never expire" in first
+    assert second.startswith("sow[b]: expiration is disabled, so min_expiration") and "set expiration: enabled" in second
+
+
 def _rejected(raw: dict) -> str:
     with pytest.raises(TopologyError) as info:
         parse_topology(raw)
