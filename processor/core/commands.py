@@ -74,6 +74,9 @@ def parse_command(
 
 
 def _parse_delete(keys: KeySpec, codec: Codec, value: bytes | None, headers: dict[str, str], header_key: str | None) -> SowCommand:
+    named = [name for name in (H.FILTER, H.KEYS) if name in headers] + (["a value"] if value else [])
+    if len(named) > 1:  # applying one would drop the others without a word (a filter 1=1 beside sow-keys deleted everything)
+        raise InputError(f"sow_delete with {' and '.join(named)}: give one of sow-filter, sow-keys or a record to delete by data")
     if H.FILTER in headers:
         text = headers[H.FILTER].strip()
         if not text:

@@ -60,6 +60,17 @@ def test_bad_inputs(value, headers, reason):
         parse(value, headers)
 
 
+@pytest.mark.parametrize("value,headers,named", [
+    (None, [("sow-filter", b"1=1"), ("sow-keys", b"a1,b2")], "sow-filter and sow-keys"),
+    (b'{"id": 3}', [("sow-filter", b"/id = 4")], "sow-filter and a value"),
+    (b'{"id": 3}', [("sow-keys", b"a1")], "sow-keys and a value"),
+])
+def test_a_delete_that_names_what_to_delete_twice_is_an_error(value, headers, named):
+    """Not one of them applied and the others dropped: the filter 1=1 beside sow-keys a1,b2 deleted every record."""
+    with pytest.raises(InputError, match=f"sow_delete with {named}"):
+        parse(value, [("sow-command", b"sow_delete"), *headers])
+
+
 def _delete_keys(n: int):
     keys = ",".join(f"k{i}" for i in range(n)).encode()
     return parse(None, [("sow-command", b"sow_delete"), ("sow-keys", keys)])
