@@ -151,6 +151,18 @@ class Client:
             return
         self._kafka_error = error
 
+    def _send(self, topic: str, value: bytes | None, key: bytes | None, headers: list) -> None:
+        """produce(), a value librdkafka refuses at once for its size told as the caller's error, as
+        a bad record is: `ksow publish -` then names the line and delivers the lines before it."""
+        try:
+            produce(self.producer, topic, value, key, headers=headers)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                raise
+            what = f"record of {len(value):,} bytes" if value else "sow_delete (its headers)"
+            raise ClientError(f"{what} is too large for one Kafka message (the producer's message.max.bytes)") from None
+        self.producer.poll(0)
+
     def _encode(self, spec: SowTopic, record: Any) -> tuple[bytes, dict]:
         codec = self.codec(spec)
         if isinstance(record, (bytes, str)):
@@ -209,8 +221,7 @@ class Client:
             # whatever the timestamps (README "Ordering").
             headers.append((H.COMMAND, b"delta_publish"))
         self._require(self.producer, spec.topic)
-        produce(self.producer, spec.topic, value, key.encode(), headers=headers)
-        self.producer.poll(0)
+        self._send(spec.topic, value, key.encode(), headers)
         return key
 
     def delete(self, topic: str, *, filter: str | None = None, keys: list[str] | None = None, data: Any = None, wait: float | None = None) -> int | None:
@@ -251,13 +262,12 @@ class Client:
                 raise ClientError(str(exc)) from None
         self._require(self.producer, spec.topic)
         if wait is None:
-            produce(self.producer, spec.topic, value, key, headers=headers)
-            self.producer.poll(0)
+            self._send(spec.topic, value, key, headers)
             return None
         try:
             targets = {e.sow_key for e in self.query(topic, filter=filter, keys=keys or ([key.decode()] if key else None))}
         except TooManyRecords as exc:
-            produce(self.producer, spec.topic, value, key, headers=headers)
+            self._send(spec.topic, value, key, headers)
             self.flush()
             self.last_delete_uncounted = str(exc)
             return None
@@ -265,7 +275,7 @@ class Client:
         try:
             ends = end_offsets(consumer, spec.sow_topic, range(spec.partitions))
             consumer.assign([TopicPartition(spec.sow_topic, p, high) for p, (_, high) in ends.items()])
-            produce(self.producer, spec.topic, value, key, headers=headers)
+            self._send(spec.topic, value, key, headers)
             self.flush()
             deleted: set[str] = set()
             deadline = time.monotonic() + wait

@@ -326,3 +326,27 @@ def test_a_cluster_that_does_not_answer_is_waited_for_then_named_with_its_last_e
     with pytest.raises(KafkaException, match="cannot read the metadata of orders: Connection refused"):
         client._require(handle, "orders")
     assert time.monotonic() - began >= 0.3
+
+
+def test_a_record_too_large_for_one_kafka_message_is_the_callers_error(monkeypatch):
+    """librdkafka refuses it in produce(): the KafkaException ended `ksow publish -` without naming
+    the line or delivering the lines before it ("Producer terminating with 2 messages still in queue")."""
+    import pytest
+    from click.testing import CliRunner
+
+    from processor.cli.commands import main
+    from processor.client.sow_client import ClientError
+
+    monkeypatch.setattr(Client, "_require", lambda self, handle, name: None)  # no broker: the size is checked locally
+    record = {"order_id": 1, "v": "x" * 1_100_000}
+    client = Client("127.0.0.1:1")
+    with pytest.raises(ClientError, match=r"record of 1,100,0\d\d bytes is too large for one Kafka message"):
+        client.publish("orders", record)
+    with pytest.raises(ClientError, match="too large for one Kafka message"):
+        client.delete("orders", data=record)
+    with pytest.raises(ClientError, match=r"sow_delete \(its headers\) is too large for one Kafka message"):
+        client.delete("orders", keys=[f"K{i:04}" + "x" * 1000 for i in range(2000)])
+    import orjson
+
+    result = CliRunner().invoke(main, ["publish", "orders", "--bootstrap", "127.0.0.1:1", "-"], input=orjson.dumps(record) + b"\n")
+    assert result.exit_code == 1 and "line 1: record of" in result.output and "nothing was published" in result.output
