@@ -200,10 +200,12 @@ class Client:
         headers = []
         if expiration is not None:
             try:
-                parse_duration_ms(expiration)
+                ms = parse_duration_ms(expiration)
             except ValueError as exc:
                 raise ClientError(str(exc)) from None
-            headers.append((H.EXPIRATION, str(expiration).encode()))
+            # A number in milliseconds: str(1e-05) is '1e-05', which no worker reads as a duration.
+            text = expiration if isinstance(expiration, str) else f"{ms}ms"
+            headers.append((H.EXPIRATION, text.encode()))
         if sow_key:
             if not spec.key_spec.user_keys:  # the worker would ignore it: say so rather than publish
                 raise ClientError(f"{topic} makes each SowKey from the record's key fields "

@@ -1,5 +1,6 @@
 """What the client says when its messages cannot be delivered (no broker needed)."""
 
+import pytest
 from confluent_kafka import KafkaError
 
 from processor.client.sow_client import Client
@@ -350,3 +351,20 @@ def test_a_record_too_large_for_one_kafka_message_is_the_callers_error(monkeypat
 
     result = CliRunner().invoke(main, ["publish", "orders", "--bootstrap", "127.0.0.1:1", "-"], input=orjson.dumps(record) + b"\n")
     assert result.exit_code == 1 and "line 1: record of" in result.output and "nothing was published" in result.output
+
+
+@pytest.mark.parametrize("expiration, ms", [(1e-5, 1), (2e-7, 1), (1.5, 1500), (7, 7000), ("30s", 30_000)])
+def test_a_lifetime_given_as_a_number_reaches_the_worker_as_one_it_reads(monkeypatch, expiration, ms):
+    """str(1e-05) is '1e-05', which is no duration: the client accepted expiration=1e-5 and the worker
+    put the record on .errors ("bad sow-expiration header")."""
+    from processor.contract.types import Command
+    from processor.core.commands import header_map, parse_command
+
+    sent = []
+    monkeypatch.setattr(Client, "_require", lambda self, handle, name: None)
+    monkeypatch.setattr(Client, "_send", lambda self, topic, value, key, headers: sent.append((value, headers)))
+    client = Client("127.0.0.1:1")
+    client.publish("orders", {"order_id": 1}, expiration=expiration)
+    spec = client.spec("orders")
+    value, headers = sent[0]
+    assert parse_command(spec.key_spec, client.codec(spec), Command.PUBLISH, value, header_map(headers)).expiration_ms == ms
