@@ -6,6 +6,7 @@ Errors name the topic (or view) and the field, e.g. `sow[orders].expiration: not
 from __future__ import annotations
 
 import os
+import re
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
@@ -250,6 +251,7 @@ class SowTopic(BaseModel):
         return [KafkaTopic(name, role, field) for name, role, field in named if name is not None]
 
 
+_KAFKA_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")  # what Kafka accepts (org.apache.kafka.common.internals.Topic)
 _SHAREABLE = ("expiry topic", "dead event topic")  # roles several SOW topics may give one Kafka topic
 
 
@@ -366,6 +368,9 @@ class Topology(BaseModel):
 
         def claim(topics: list[KafkaTopic], where: str, owner: str) -> None:
             for name, what, field in topics:
+                if not _KAFKA_TOPIC_NAME.fullmatch(name) or name in (".", ".."):  # else `ksow up` fails creating it, naming no field
+                    raise ValueError(f"{where}.{field}: {what} {name!r} is no Kafka topic name "
+                                     "(1 to 249 letters, digits, '.', '_' or '-', not . or ..)")
                 if name in roles:
                     other_owner, other_what = roles[name]
                     if what in _SHAREABLE and other_what in _SHAREABLE:

@@ -110,6 +110,25 @@ def test_expiry_topic_may_not_be_its_own_input():
         "sow[loopt].expiry_topic: expiry topic 'loopt' is also the input of SOW topic 'loopt'")
 
 
+LONG = "t" * 240  # a legal name, whose ".repartition" is not
+
+
+@pytest.mark.parametrize("sow,views,message", [
+    ([{"topic": "a", "expiry_topic": "x y"}], [],
+     "sow[a].expiry_topic: expiry topic 'x y' is no Kafka topic name (1 to 249 letters, digits, '.', '_' or '-', not . or ..)"),
+    ([{"topic": "a", "dead_event_topic": ".."}], [],
+     "sow[a].dead_event_topic: dead event topic '..' is no Kafka topic name (1 to 249 letters, digits, '.', '_' or '-', not . or ..)"),
+    ([{"topic": LONG}], [],
+     f"sow[{LONG}].topic: repartition topic '{LONG}.repartition' is no Kafka topic name (1 to 249 letters, digits, '.', '_' or '-', not . or ..)"),
+    ([{"topic": "a"}], [{"name": "v" * 246, "topic": "a"}],
+     f"views[{'v' * 246}].name: changelog '{'v' * 246}.sow' is no Kafka topic name (1 to 249 letters, digits, '.', '_' or '-', not . or ..)"),
+])
+def test_every_topic_named_is_one_kafka_can_create(sow, views, message):
+    """Every command took these; `ksow up` failed only when creating the topics, with Kafka's words
+    naming neither the SOW topic nor the field ("Topic name is invalid: 'x y' contains ...")."""
+    assert _rejected({"sow": sow, "views": views}) == message
+
+
 def test_dead_event_topic_may_not_be_its_own_changelog():
     assert _rejected({"sow": [{"topic": "a", "dead_event_topic": "a.sow"}]}) == (
         "sow[a].dead_event_topic: dead event topic 'a.sow' is also the changelog of SOW topic 'a'")
