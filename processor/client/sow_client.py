@@ -186,6 +186,8 @@ class Client:
         if unknown := codec.unknown_fields(data):
             raise ClientError(f"{', '.join(unknown)} not in the Avro schema of {spec.topic} (it would be dropped)")
         try:
+            if codec.name == "avro":
+                codec.check(data)
             value = codec.encode(data)
             # The SowKey is made from the record as a worker reads it (Avro: logical types as plain values).
             return value, codec.decode(value) if codec.name == "avro" else data

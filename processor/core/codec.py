@@ -180,6 +180,17 @@ class AvroCodec:
             raise InputError(f"the record does not fit the topic's Avro schema: {exc}") from None
         return out.getvalue()
 
+    def check(self, record: dict) -> None:
+        """InputError unless fastavro's validation takes `record` as a value of the schema: outside a
+        union its writer writes int(value) to an int or long (1.5 as 1, True as 1), which a union
+        refuses. For what a client publishes: a worker writes only values it read."""
+        from fastavro.validation import ValidationError, validate
+
+        try:
+            validate(self._to_avro(record) if self._to_avro else record, self._writer_schema, raise_errors=True)
+        except ValidationError as exc:
+            raise InputError(f"the record does not fit the topic's Avro schema: {'; '.join(map(str, exc.errors))}") from None
+
     def unknown_fields(self, record: dict) -> list[str]:
         """Paths of the fields of `record` that the schema lacks: the writer would drop them."""
         return _unknown_fields(self.schema, record, "")

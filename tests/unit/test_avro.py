@@ -670,6 +670,7 @@ def test_a_value_of_any_schema_is_written_back_as_the_same_value(tmp_path_factor
     schema, named = data.draw(schemas())
     codec = _codec_of(tmp_path_factory, schema)
     _, record, _, _ = data.draw(values(schema, named))
+    codec.check(record)  # what the client checks before it publishes: every value the core reads passes
     assert codec.decode(codec.encode(record)) == record
 
 
@@ -709,3 +710,21 @@ def test_any_bytes_read_as_a_record_or_are_refused(tmp_path_factory, data):
         assert isinstance(codec.decode(data.draw(st.binary(max_size=64))), dict)
     except InputError:
         pass
+
+
+@pytest.mark.parametrize("record, why", [
+    ({"order_id": 1.5}, r"<1\.5> of type <class 'float'> expected long"),
+    ({"order_id": True}, r"<True> of type <class 'bool'> expected long"),
+])
+def test_the_client_refuses_a_value_the_avro_writer_would_turn_into_another(record, why):
+    """Outside a union fastavro writes int(value): {"order_id": 1.5} was published as order_id 1 (and
+    replaced that record), True as 1; in a union ["null", "long"] both are refused."""
+    from processor.client.sow_client import Client, ClientError
+
+    topology = parse_topology({"sow": [{"topic": "av", "key": ["/order_id"], "message_type": "avro", "schema": str(SCHEMA)}]})
+    client = Client("127.0.0.1:1", topology)
+    with pytest.raises(ClientError, match=why):
+        client.publish("av", record)
+    assert client._encode(topology.topic("av"), {"order_id": 2, "qty": 3, "px": 1})[1] == {
+        "order_id": 2, "customer": None, "status": None, "qty": 3, "px": 1.0}
+    assert client._producer is None
