@@ -24,7 +24,7 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract.errors import InputError
-from processor.contract.limits import QUERY_SPAN, query_max_seconds
+from processor.contract.limits import QUERY_SPAN, max_delete_keys, query_max_seconds
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
 from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
@@ -257,6 +257,9 @@ class Client:
             if not keys:
                 raise ClientError("an empty key list deletes nothing: give at least one SowKey")
             _check_keys(keys)
+            if len(keys) > (cap := max_delete_keys()):  # a worker would put it on `.errors`, and a wait count it pending
+                raise ClientError(f"{len(keys)} SowKeys are over the limit of {cap} per sow_delete (KSOW_MAX_DELETE_KEYS): "
+                                  "delete them in several")
             headers.append((H.KEYS, ",".join(keys).encode()))
         else:
             value, record = self._encode(spec, data)

@@ -368,3 +368,19 @@ def test_a_lifetime_given_as_a_number_reaches_the_worker_as_one_it_reads(monkeyp
     spec = client.spec("orders")
     value, headers = sent[0]
     assert parse_command(spec.key_spec, client.codec(spec), Command.PUBLISH, value, header_map(headers)).expiration_ms == ms
+
+
+def test_more_keys_than_a_worker_takes_in_one_delete_are_refused_before_anything_is_sent(monkeypatch):
+    """The worker put such a delete on .errors, while ksow delete printed {"deleted": 0, "pending": 4}
+    and said it would be applied when a worker got to it (exit 0)."""
+    from processor.client.sow_client import ClientError
+    from processor.contract.limits import MAX_DELETE_KEYS
+
+    client = Client("127.0.0.1:1")
+    with pytest.raises(ClientError, match=rf"{MAX_DELETE_KEYS + 1} SowKeys are over the limit of {MAX_DELETE_KEYS} "
+                                          r"per sow_delete \(KSOW_MAX_DELETE_KEYS\)"):
+        client.delete("orders", keys=[f"k{i}" for i in range(MAX_DELETE_KEYS + 1)])
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "3")
+    with pytest.raises(ClientError, match="4 SowKeys are over the limit of 3"):
+        client.delete("orders", keys=["a", "b", "c", "d"])
+    assert client._producer is None
