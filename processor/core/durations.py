@@ -25,6 +25,8 @@ def parse_duration_ms(text: str | int | float) -> int:
         if text < 0:
             raise DurationError(f"negative duration: {_shown(text)}")
         return _bounded(text * 1000, text)
+    if not isinstance(text, str):  # a caller's list or bytes: the same error, not a TypeError from the regex
+        raise DurationError(f"not a duration: {_shown(text)} (a text such as 30s, or a number of seconds)")
     match = _DURATION.match(text)
     if not match:
         raise DurationError(f"not a duration: {_shown(text)} (use e.g. 500ms, 30s, 5m, 2h, 1d or seconds)")

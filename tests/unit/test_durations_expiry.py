@@ -13,7 +13,7 @@ def test_parse(text, ms):
     assert parse_duration_ms(text) == ms
 
 
-@pytest.mark.parametrize("text", ["", "abc", "5x", "-1s", "1s2", True, -3])
+@pytest.mark.parametrize("text", ["", "abc", "5x", "-1s", "1s2", True, -3, [1], b"5s", None])
 def test_parse_rejects(text):
     with pytest.raises(DurationError):
         parse_duration_ms(text)
