@@ -42,3 +42,22 @@ KAFKA_CONFIG = click.option(
 def connection(fn):
     """--bootstrap, --kafka-config and --topology."""
     return BOOTSTRAP(KAFKA_CONFIG(TOPOLOGY(fn)))
+
+
+class Seconds(click.ParamType):
+    """A number of seconds, zero or more: click's FloatRange lets `nan` through (no comparison
+    refuses it), and a wait or a run of NaN seconds never ends."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not 0 <= seconds < float("inf"):
+            self.fail(f"{value!r} is not a number of seconds, zero or more", param, ctx)
+        return seconds
+
+
+SECONDS = Seconds()
