@@ -87,8 +87,8 @@ class SowTopic(BaseModel):
     persistence: Persistence = Persistence.PERSISTENT
     capacity: int = Field(default=0, ge=0)
     capacity_policy: CapacityPolicy = CapacityPolicy.EVICT_OLDEST
-    expiry_topic: str | None = None
-    dead_event_topic: str | None = None
+    expiry_topic: str | None = Field(default=None, min_length=1)  # "" would silently mean the default
+    dead_event_topic: str | None = Field(default=None, min_length=1)
     hash_indexes: list[list[str]] = Field(default_factory=list)
     partitions: int = Field(default=8, ge=1, le=1024)
     # Which clock a lifetime counts from and inputs are ordered by, for the input topics the workers
@@ -99,7 +99,16 @@ class SowTopic(BaseModel):
     @field_validator("key")
     @classmethod
     def _key_paths(cls, value: list[str]) -> list[str]:
-        return _check_paths(value)
+        """Key values are scalars: a path inside another (/a and /a/b) leaves every record without
+        a SowKey, so every input would land on `.errors`."""
+        _check_paths(value)
+        split = [split_path(p) for p in value]
+        for i, parts in enumerate(split):
+            for j, other in enumerate(split):
+                if i != j and other[: len(parts)] == parts and (len(other) > len(parts) or i < j):
+                    raise ValueError(f"{value[j]} is named twice" if other == parts else
+                                     f"{value[j]} lies inside {value[i]}: key values are scalars, so no record has both")
+        return value
 
     @field_validator("hash_indexes")
     @classmethod

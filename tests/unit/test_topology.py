@@ -257,3 +257,16 @@ def test_a_query_topic_pattern_matches_whole_names_of_sow_topics_and_views(patte
     topology = parse_topology({"sow": [{"topic": t, "key": ["/id"]} for t in ("orders", "eu.orders", "trades")],
                                "views": [{"name": "orders_open", "topic": "orders", "filter": "/status = 'open'"}]})
     assert topology.matching(pattern) == names
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"key": ["/a", "/a/b"]}, "sow[t].key: Value error, /a/b lies inside /a: key values are scalars, so no record has both"),
+    ({"key": ["/x/y", "/x"]}, "sow[t].key: Value error, /x/y lies inside /x: key values are scalars, so no record has both"),
+    ({"key": ["/a", "/b", "/a"]}, "sow[t].key: Value error, /a is named twice"),
+    ({"expiry_topic": ""}, "sow[t].expiry_topic: String should have at least 1 character"),
+    ({"dead_event_topic": ""}, "sow[t].dead_event_topic: String should have at least 1 character"),
+])
+def test_key_paths_and_topic_names_that_could_not_work_are_refused(entry, message):
+    """Both loaded: `key: [/a, /a/b]` sent every input to .errors (/a is an object when /a/b is
+    there), and an empty topic name quietly meant the default one."""
+    assert _rejected({"sow": [{"topic": "t", **entry}]}) == message
