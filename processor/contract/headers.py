@@ -24,6 +24,11 @@ ERROR_TOPIC = "sow-error-topic"
 ERROR_PARTITION = "sow-error-partition"
 ERROR_OFFSET = "sow-error-offset"
 
+# Every `sow-` header ksow reads or writes. An input may carry any of them (a `.sow` or `.errors`
+# record published again), but another `sow-` name is a misspelt one (`Sow-Command`, `sow-expires`):
+# it would be ignored, and the input applied as it was not meant.
+KNOWN = KNOWN_INPUT | {OP, SEQ, EXPIRES_AT, ACTUAL_EXPIRY, OOF_REASON, TOPIC, ERROR, ERROR_TOPIC, ERROR_PARTITION, ERROR_OFFSET}
+
 # Internal, on `<topic>.repartition` only.
 ORIGIN = "ksow-origin"  # the command a rerouted input defaulted to on its first topic
 LOCAL = "ksow-local"  # a fanned-out delete applies to this partition only

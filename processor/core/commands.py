@@ -26,6 +26,8 @@ def header_map(headers: Iterable[tuple[str, bytes | None]] | dict | None) -> dic
     out: dict[str, str] = {}
     for name, raw in items:
         if name not in H.KNOWN_INPUT:
+            if name not in H.KNOWN and name[:4].lower() == "sow-":
+                raise InputError(f"unknown header {name!r}: ksow's input headers are {', '.join(sorted(H.KNOWN_INPUT))} (lower case)")
             continue
         if raw is None:
             raise InputError(f"header {name} has no value")
@@ -59,6 +61,9 @@ def parse_command(
             except DurationError as exc:
                 raise InputError(f"bad sow-expiration header: {exc}") from None
         header_key = headers.get(H.KEY)
+        if command is not _SOW_DELETE and (H.FILTER in headers or H.KEYS in headers):
+            raise InputError(f"{H.FILTER if H.FILTER in headers else H.KEYS} goes with sow-command: sow_delete, and this input is a "
+                             f"{command.value}: nothing was deleted or written")
     try:
         if command is _SOW_DELETE:
             return _parse_delete(keys, codec, value, headers or {}, header_key)

@@ -1,5 +1,7 @@
 """Parsing input messages into commands; every bad input is an InputError with a reason."""
 
+import re
+
 import orjson
 import pytest
 from hypothesis import given
@@ -123,3 +125,25 @@ def test_headers_the_kafka_client_could_not_read_refuse_the_input():
     """Such a message is refused with the reason, never applied as if it carried no header."""
     with pytest.raises(InputError, match="a header name is not UTF-8 text"):
         header_map(UnreadableHeaders())
+
+
+@pytest.mark.parametrize("headers,says", [
+    ([("Sow-Command", b"sow_delete")], "unknown header 'Sow-Command'"),
+    ([("sow-expire", b"5s")], "unknown header 'sow-expire'"),
+    ([("SOW-KEY", b"abc")], "unknown header 'SOW-KEY'"),
+    ([("sow-filter", b"/id = 3")], "sow-filter goes with sow-command: sow_delete, and this input is a publish"),
+    ([("sow-command", b"delta_publish"), ("sow-keys", b"a1")], "sow-keys goes with sow-command: sow_delete, and this input is a delta_publish"),
+])
+def test_headers_that_would_be_ignored_are_errors(headers, says):
+    """Each was ignored and the input applied as a publish: `Sow-Command: sow_delete` wrote the
+    record it meant to delete, `sow-expire: 5s` gave it no lifetime, `sow-filter` without a
+    sow_delete published the value."""
+    with pytest.raises(InputError, match=re.escape(says)):
+        parse(b'{"id": 3}', headers)
+
+
+def test_output_and_error_headers_on_an_input_are_read_as_any_input():
+    """A `.sow` or `.errors` record published again carries ksow's own headers: not misspelt ones."""
+    headers = [(h, b"1") for h in ("sow-op", "sow-seq", "sow-expires-at", "sow-actual-expiry", "sow-topic", "sow-oof-reason",
+                                   "sow-error", "sow-error-topic", "sow-error-partition", "sow-error-offset", "x-trace", "Sow")]
+    assert parse(b'{"id": 3}', headers).data == {"id": 3}
