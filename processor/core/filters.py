@@ -925,8 +925,8 @@ class Filter:
         """The filter as it reads a record cut to a select list: a field the list leaves out (one
         neither selected nor inside a selected one) reads NULL, as on the cut record itself, so a
         view's caller filters what the view shows, not the fields its select list hides."""
-        selected = [split_path(path) for path in select]
-        ast = _map_paths(self._ast, lambda path: path if within(split_path(path.path), selected) else Lit(None))
+        selected = {split_path(path): path for path in select}
+        ast = _seen_through(self._ast, selected)
         return self if ast is self._ast else Filter(_format(ast), ast)
 
     def __repr__(self) -> str:
@@ -1023,6 +1023,29 @@ def _map_paths(node: Any, fn: Callable[[Path], Any]) -> Any:
     if all(value is getattr(node, name) for name, value in changes.items()):
         return node
     return replace(node, **changes)
+
+
+def _seen_through(node: Any, selected: dict[tuple[str, ...], str]) -> Any:
+    """`Filter.seen_through` of a tree. A field above selected ones (/n with /n/x selected) is on
+    the cut record only when one of those is, as an object: every predicate on it is UNKNOWN there
+    but IS [NOT] NULL, which asks about those fields instead (reading NULL, `/n IS NOT NULL` was
+    FALSE for records the view shows with /n). A selected field that is JSON null or '' still
+    keeps /n on the cut record, which no filter can tell from a missing one."""
+    if isinstance(node, (And, Or)):
+        items = tuple(_seen_through(item, selected) for item in node.items)
+        return node if all(a is b for a, b in zip(items, node.items)) else type(node)(items)
+    if isinstance(node, Not):
+        expr = _seen_through(node.expr, selected)
+        return node if expr is node.expr else Not(expr)
+    if isinstance(node, IsNull):
+        operand = node.operand
+        while isinstance(operand, Func):
+            operand = operand.arg
+        if isinstance(operand, Path) and not within(parts := split_path(operand.path), selected):
+            below = [IsNull(Path(path), node.negated) for s, path in selected.items() if s[: len(parts)] == parts]
+            if below:
+                return below[0] if len(below) == 1 else (Or if node.negated else And)(tuple(below))
+    return _map_paths(node, lambda path: path if within(split_path(path.path), selected) else Lit(None))
 
 
 def _fields(node: Any, out: set[str]) -> set[str]:
