@@ -33,6 +33,7 @@ from processor.core.codec import Codec, check_integers, check_nesting
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, validate_user_keys
+from processor.core.paths import within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
@@ -391,6 +392,15 @@ class Client:
         """
         if topic not in self.topology.names() and (names := self.topology.matching(topic)):
             return self._query_each(names, filter, keys, select, top, order_by)
+        entries, hidden = self._query_one(topic, filter, keys, select, top, order_by)
+        return [_hide(entry, hidden) for entry in entries]
+
+    def _query_one(self, topic: str, filter: str | None, keys: list[str] | None, select: list[str] | None,
+                   top: int | None, order_by: str | None) -> tuple[list[SowEntry], tuple[str, ...] | None]:
+        """A query of one topic or view, and the `order_by` path its entries hold beyond the select
+        list (None when they hold no more): the merge of the workers' answers, the changelog's read
+        and a pattern's merge order the selected records, so a field they order by is asked for too
+        and taken out by the caller (`_hide`) once ordered."""
         topic, filter, select = self._through_view(topic, filter, select, order_by)
         spec = self.spec(topic)
         if keys is not None:
@@ -402,12 +412,16 @@ class Client:
             from processor.core.filters import compile_filter
 
             compile_filter(filter)  # a bad filter is the caller's error, with its position
+        hidden = None
+        if query.select and query.ordering and not within(query.ordering[0], selection(query, spec.key_spec.split)):
+            hidden = query.ordering[0]
+            query = SowQuery(query.filter, query.keys, (*query.select, order_by.split()[0]), top, order_by)
         rows = self._query_workers(spec, query)
         self.last_query_source = "workers"
         if rows is None:
             rows = self._query_changelog(spec, query)
             self.last_query_source = "changelog"
-        return [SowEntry(r["sow_key"], r.get("seq"), r.get("expires_at"), r["record"]) for r in rows]
+        return [SowEntry(r["sow_key"], r.get("seq"), r.get("expires_at"), r["record"]) for r in rows], hidden
 
     def _query_each(self, names: list[str], filter: str | None, keys: list[str] | None, select: list[str] | None,
                     top: int | None, order_by: str | None) -> list[SowEntry]:
@@ -415,12 +429,14 @@ class Client:
         with their topic, then ordered and cut together. The source is "changelog" if any was."""
         entries, sources = [], set()
         for name in names:
-            for entry in self.query(name, filter=filter, keys=keys, select=select, top=top, order_by=order_by):
+            found, hidden = self._query_one(name, filter, keys, select, top, order_by)
+            for entry in found:
                 entry.topic = name
-                entries.append(entry)
+                entries.append((entry, hidden))
             sources.add(self.last_query_source)
         self.last_query_source = "changelog" if "changelog" in sources else "workers"
-        return order_and_cut(entries, SowQuery(top=top, order_by=order_by), lambda entry: entry.record)
+        ordered = order_and_cut(entries, SowQuery(top=top, order_by=order_by), lambda pair: pair[0].record)
+        return [_hide(entry, hidden) for entry, hidden in ordered]
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         params = orjson.dumps(query.to_params())
@@ -680,6 +696,24 @@ def _released(pending: dict, position: Bookmark) -> Iterator[dict]:
         at = position.short_of(later)
         event["bookmark"] = str(at)
         yield event
+
+
+def _hide(entry: SowEntry, parts: tuple[str, ...] | None) -> SowEntry:
+    """The entry without the field at `parts` (and the objects it leaves empty): the order_by
+    field a query asked for beyond its select list (`Client._query_one`)."""
+    if parts is None:
+        return entry
+    trail = [entry.record]
+    for part in parts[:-1]:
+        trail.append(trail[-1].get(part))
+        if not isinstance(trail[-1], dict):
+            return entry
+    trail[-1].pop(parts[-1], None)
+    for node, part in zip(reversed(trail[:-1]), reversed(parts[:-1])):
+        if node[part]:
+            break
+        del node[part]
+    return entry
 
 
 def _check_finite(value: Any, path: str = "") -> None:

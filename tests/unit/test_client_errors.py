@@ -384,3 +384,44 @@ def test_more_keys_than_a_worker_takes_in_one_delete_are_refused_before_anything
     with pytest.raises(ClientError, match="4 SowKeys are over the limit of 3"):
         client.delete("orders", keys=["a", "b", "c", "d"])
     assert client._producer is None
+
+
+def test_a_query_ordered_by_a_field_it_does_not_select_is_ordered_by_that_field(monkeypatch):
+    """Audit: `query(select=['/s'], order_by='/q DESC', top=2)` read from `.sow` came back in the
+    changelog's order (the client ordered the selected records, which lack /q), and two workers'
+    answers merged the same way; one worker answered the two records of highest /q. Every path now
+    orders by the field and leaves it out of the records."""
+    from processor.client import sow_client
+    from processor.contract.types import SowRecord
+    from processor.query.engine import SowQuery, order_and_cut, result, selection
+    from processor.topology import Topology
+
+    topology = Topology.model_validate({"sow": [{"topic": "t", "key": ["/id"], "partitions": 2}]})
+    records = {f"k{i}": {"id": i, "s": f"s{i}", "n": {"q": q}} for i, q in enumerate([1, 5, None, 3, 4, 2])}
+    client = Client("127.0.0.1:1", topology)
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [])
+
+    class Consumer:
+        def close(self):
+            pass
+
+    state = {key: (record, i + 1, None) for i, (key, record) in enumerate(records.items())}
+    monkeypatch.setattr(client, "_snapshot", lambda spec: (state, {}, Consumer(), [], None))
+    wanted = [{"id": 1, "s": "s1"}, {"id": 4, "s": "s4"}]
+    rows = client.query("t", select=["/s"], order_by="/n/q DESC", top=2)
+    assert client.last_query_source == "changelog" and [row.record for row in rows] == wanted
+
+    def answer(url, token, tls, timeout, body):
+        """A worker's answer for its half of the records, as run_query makes it."""
+        import orjson
+
+        query, half = SowQuery.from_params(orjson.loads(body)), int(url.split("/")[2][1:])
+        mine = [(k, SowRecord(r, 1, None)) for k, r in records.items() if r["id"] % 2 == half]
+        rows = order_and_cut(mine, query, lambda row: row[1].data)
+        select = selection(query, topology.topic("t").key_spec.split)
+        return {"partitions": [half], "results": [result(k, r, select) for k, r in rows]}
+
+    monkeypatch.setattr(sow_client, "_http_json", answer)
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [{"url": f"http://w{p}", "topics": ["t"]} for p in (0, 1)])
+    rows = client.query("t", select=["/s"], order_by="/n/q DESC", top=2)
+    assert client.last_query_source == "workers" and [row.record for row in rows] == wanted
