@@ -8,6 +8,7 @@ from typing import Iterator
 from rocksdict import BlockBasedOptions, Options, Rdict, ReadOptions, WriteBatch
 
 BLOOM_BITS_PER_KEY = 10  # ~1% false positives
+MEMTABLE_BLOOM_RATIO = 0.02  # of the write buffer (64 MiB): 1.3 MiB a memtable, ~10 bits a key of its smallest entries
 
 
 class RocksDBBackend:
@@ -49,10 +50,18 @@ def _options() -> Options:
     and every record the cache does not hold when the SOW is larger than RocksDB's memtable, as
     after a restart) skips that file instead of searching its index and reading a block. Measured
     (1M records flushed to disk): a read that finds nothing 12-14 us -> 1.0-1.6 us, one that finds
-    its record 14-17 us -> 6-9 us. Files written before keep working without one."""
+    its record 14-17 us -> 6-9 us. Files written before keep working without one.
+
+    And one over each memtable's keys: a read of a record the memtable does not hold (a new SowKey,
+    or one written before the last flush) skips its skip list, whose search misses the CPU's caches
+    at every level. Measured (rocksdict, 200,000 other keys in the memtable, 500,000 records in a
+    table file): a read that finds nothing 2.2-2.6 us -> 0.5-0.6 us, one that finds its record in a
+    table file 6.0-6.9 us -> 3.7-4.0 us; a put 0.1-0.4 us more."""
     options = Options(raw_mode=True)
     options.create_if_missing(True)
     table = BlockBasedOptions()
     table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)  # full filters (one per file), not per block
     options.set_block_based_table_factory(table)
+    options.set_memtable_whole_key_filtering(True)
+    options.set_memtable_prefix_bloom_ratio(MEMTABLE_BLOOM_RATIO)
     return options

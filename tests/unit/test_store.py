@@ -430,3 +430,17 @@ def test_records_updated_while_a_store_had_no_capacity_keep_their_place_when_it_
     assert [k for k, _ in store.least_recently_updated()] == ["b", "a", "c"]
     assert list(store.oldest()) == [(2, "b"), (3, "a"), (4, "c")]
     store.close()
+
+
+def test_rocksdb_stores_filter_memtable_reads_by_bloom(tmp_path):
+    """A store's RocksDB keeps a Bloom filter over each memtable's whole keys (a read of a record the
+    memtable lacks skips its skip list) and over each table file: RocksDB says so in the OPTIONS file
+    it writes for the database it opened."""
+    from processor.state.rocksdb import MEMTABLE_BLOOM_RATIO, RocksDBBackend
+
+    backend = RocksDBBackend(tmp_path / "db")
+    backend.close()
+    written = max((tmp_path / "db").glob("OPTIONS-*")).read_text()
+    assert "memtable_whole_key_filtering=true" in written
+    assert f"memtable_prefix_bloom_size_ratio={MEMTABLE_BLOOM_RATIO:f}" in written
+    assert "filter_policy=bloomfilter" in written
