@@ -30,6 +30,10 @@ DELETE_FILTER_SECONDS = 30.0  # time one sow_delete's filter may spend testing t
 # the clock plus this. A partition sorts by its largest stamp so far, so one stamp an hour ahead would otherwise put
 # every later input of its partition after an hour of the other inputs (README "Ordering").
 MAX_FUTURE_STAMP_MS = 10_000
+# RocksDB memory of one worker process, all its stores together: the block cache, with the memtables
+# charged to it and held to half of it. Unbounded, each store took up to 128 MiB of memtables and
+# its own block cache, and a worker's stores are its topics times its partitions.
+ROCKSDB_MEMORY_MB = 512
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
@@ -41,6 +45,7 @@ _ENV = {
     "KSOW_QUERY_THREADS": (int, QUERY_THREADS),
     "KSOW_QUERY_SHARE": (float, QUERY_SHARE),
     "KSOW_DELETE_FILTER_SECONDS": (float, DELETE_FILTER_SECONDS),
+    "KSOW_ROCKSDB_MEMORY_MB": (int, ROCKSDB_MEMORY_MB),
 }
 
 
@@ -80,6 +85,12 @@ def delete_filter_seconds() -> float:
 def max_delete_keys() -> int:
     """SowKeys one sow_delete may list (env KSOW_MAX_DELETE_KEYS); more is an input error."""
     return int(_env("KSOW_MAX_DELETE_KEYS"))
+
+
+def rocksdb_memory_bytes() -> int:
+    """RocksDB memory of one process's stores together (env KSOW_ROCKSDB_MEMORY_MB): block cache and
+    memtables, the memtables at most half."""
+    return int(_env("KSOW_ROCKSDB_MEMORY_MB")) << 20
 
 
 def query_max_rows() -> int:

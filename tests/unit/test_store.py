@@ -444,3 +444,34 @@ def test_rocksdb_stores_filter_memtable_reads_by_bloom(tmp_path):
     assert "memtable_whole_key_filtering=true" in written
     assert f"memtable_prefix_bloom_size_ratio={MEMTABLE_BLOOM_RATIO:f}" in written
     assert "filter_policy=bloomfilter" in written
+
+
+def test_rocksdb_stores_of_a_process_share_one_memory_budget(tmp_path, monkeypatch):
+    """Every RocksDB store of a process charges its memtables to one budget (KSOW_ROCKSDB_MEMORY_MB,
+    half of it for memtables): written past it, the stores flush to table files (alone, each would
+    have held its 20 MB in a 64 MiB memtable) and, their flushes done, hold no more than it."""
+    import random
+    import time
+    from pathlib import Path
+
+    import processor.state.rocksdb as rocksdb
+
+    monkeypatch.setenv("KSOW_ROCKSDB_MEMORY_MB", "64")
+    monkeypatch.setattr(rocksdb, "_memory", None)
+    stores = [rocksdb.RocksDBBackend(tmp_path / f"s{i}") for i in range(4)]
+    _, memtables = rocksdb._memory
+    assert memtables.get_buffer_size() == 32 << 20
+    rng = random.Random(7)
+    for _ in range(20):  # 4 stores x 20 x 1 MB: two and a half times the budget
+        for store in stores:
+            batch = store.batch()
+            for _ in range(6000):
+                batch.put(rng.randbytes(16), rng.randbytes(150))
+            store.write(batch)
+    assert all(list(Path(store.path).glob("*.sst")) for store in stores)
+    deadline = time.monotonic() + 10
+    while memtables.get_usage() > 32 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)  # flushes run on RocksDB's threads
+    assert memtables.get_usage() <= 32 << 20
+    for store in stores:
+        store.close()
