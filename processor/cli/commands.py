@@ -508,8 +508,8 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 @click.option("--filter", "filter_", default=None, help="Content filter, e.g. \"/status = 'open' AND /qty > 10\".")
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")
 @click.option("--select", default=None, help="Comma-separated field paths to return.")
-@click.option("--top", type=int, default=None, help="At most this many records.")
-@click.option("--order-by", default=None, help="Field path to sort by, optionally followed by ASC or DESC.")
+@click.option("--top", type=int, default=None, help="At most this many records, the first in the query's order (SowKey order without --order-by).")
+@click.option("--order-by", default=None, help="Field path to sort by, optionally followed by ASC or DESC; ties in SowKey order.")
 def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, top, order_by) -> None:
     """SOW query: the current records, as JSON lines (answered by the workers). TOPIC may also be a
     regular expression matching whole names of SOW topics and views: then each line names its topic."""

@@ -36,7 +36,7 @@ from processor.core.keys import KeyError_, validate_user_keys
 from processor.core.paths import within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
-from processor.query.engine import QueryError, SowQuery, order_and_cut, result, selection, through_view
+from processor.query.engine import QueryError, SowQuery, order_and_cut, order_results, result, selection, through_view
 from processor.topology import Persistence, SowTopic, Topology, load_topology, schema_base, topology_path
 
 
@@ -389,6 +389,9 @@ class Client:
         A `topic` that is no SOW topic or view of the topology may be a regular expression over
         their names (matched whole, RE2's syntax as LIKE's): the records of every one it matches,
         each entry naming its topic, ordered and cut to `top` together.
+
+        Every path gives the same order (processor.core.sortorder): by `order_by`, ties in SowKey
+        order (then topic name), or in SowKey order without it; `top` keeps the first.
         """
         if topic not in self.topology.names() and (names := self.topology.matching(topic)):
             return self._query_each(names, filter, keys, select, top, order_by)
@@ -435,7 +438,8 @@ class Client:
                 entries.append((entry, hidden))
             sources.add(self.last_query_source)
         self.last_query_source = "changelog" if "changelog" in sources else "workers"
-        ordered = order_and_cut(entries, SowQuery(top=top, order_by=order_by), lambda pair: pair[0].record)
+        ordered = order_and_cut(entries, SowQuery(top=top, order_by=order_by), lambda pair: pair[0].record,
+                                lambda pair: (pair[0].sow_key, pair[0].topic))
         return [_hide(entry, hidden) for entry, hidden in ordered]
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
@@ -471,7 +475,7 @@ class Client:
                 for row in answer["results"]:
                     rows.setdefault(row["sow_key"], row)
                 if covered >= everything:
-                    return order_and_cut(list(rows.values()), query, lambda r: r["record"])
+                    return order_results(list(rows.values()), query)
             time.sleep(0.5 * (attempt + 1))  # a rebalance is moving partitions: ask again
         return None
 
@@ -495,7 +499,7 @@ class Client:
             for key, (record, seq, expires) in state.items()
             if (wanted is None or key in wanted) and sub.matches(record)
         ]
-        return order_and_cut(rows, query, lambda r: r["record"])
+        return order_results(rows, query)
 
     def _subscription_spec(self, spec: SowTopic, filter: str | None, **options) -> SubscriptionSpec:
         predicate = None

@@ -7,7 +7,6 @@ checked against the whole filter). Anything else scans the partition.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,9 +16,10 @@ from processor.contract.errors import KsowError
 from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
-from processor.core.filters import MAX_FILTER_CHARS, Filter, compile_filter, format_filter, spelled_number
+from processor.core.filters import MAX_FILTER_CHARS, Filter, compile_filter, format_filter
 from processor.core.keys import KeyError_, validate_user_keys
-from processor.core.paths import MISSING, PathError, get_path, project, split_path, within
+from processor.core.paths import PathError, project, split_path, within
+from processor.core.sortorder import order_rows
 from processor.core.rawfilter import raw_prefilter
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
 from processor.topology import Topology
@@ -271,48 +271,28 @@ def run_query(
     check(len(rows))
     if policy.active:
         rows = [row for row in rows if policy.is_live(row[1].expires_at, now)]
-    rows = order_and_cut(rows, query, lambda row: row[1].data)
+    rows = order_and_cut(rows, query, lambda row: row[1].data, lambda row: row[0])
     return [result(key, rec, select) for key, rec in rows], plan
 
 
-def order_and_cut(rows: list, query: SowQuery, data_of) -> list:
-    """Sort by `order_by` (records without the field last) and keep `top`; shared by worker and client."""
-    ordering = query.ordering
-    if ordering is not None:
-        parts, descending = ordering
-        present, absent = [], []  # (sort key, row) once each: a key reads the field and may parse a number
-        for row in rows:
-            value = get_path(data_of(row), parts)
-            if value is MISSING or value is None:
-                absent.append(row)
-            else:
-                present.append((_sortable(value), row))
-        if query.top is not None and not descending:
-            present = heapq.nsmallest(query.top, present, key=_first)
-        else:
-            present.sort(key=_first, reverse=descending)
-        rows = [row for _, row in present] + absent
-    if query.top is not None:
-        rows = rows[: query.top]
-    return rows
+def order_and_cut(rows: list, query: SowQuery, data_of, tie_of) -> list:
+    """Sort by `order_by` and keep `top` (processor.core.sortorder: ties in the order of `tie_of`,
+    the SowKey); the worker's engine, the client's merge, its read of `.sow` and a pattern's merge
+    all order with it."""
+    return order_rows(rows, query.ordering, query.top, data_of, tie_of)
 
 
-def _first(pair: tuple) -> Any:
-    return pair[0]
+def order_results(rows: list[dict], query: SowQuery) -> list[dict]:
+    """Result dicts (as `result` makes them) ordered and cut by `order_and_cut`."""
+    return order_and_cut(rows, query, _record_of, _sow_key_of)
 
 
-def _sortable(value: Any) -> tuple[int, Any]:
-    """Numbers before strings before anything else, so mixed types never fail to sort. A string that
-    spells a number sorts as that number, exactly (as filters compare it: an Avro decimal's text,
-    '10' after '9')."""
-    if isinstance(value, bool):
-        return (2, str(value))
-    if isinstance(value, (int, float)):
-        return (0, value)
-    if isinstance(value, str):
-        number = spelled_number(value)
-        return (1, value) if number is None else (0, number)
-    return (3, repr(value))
+def _record_of(row: dict) -> Any:
+    return row["record"]
+
+
+def _sow_key_of(row: dict) -> str:
+    return row["sow_key"]
 
 
 def selection(query: SowQuery, key_paths: tuple[tuple[str, ...], ...]) -> list[tuple[str, ...]]:

@@ -417,7 +417,7 @@ def test_a_query_ordered_by_a_field_it_does_not_select_is_ordered_by_that_field(
 
         query, half = SowQuery.from_params(orjson.loads(body)), int(url.split("/")[2][1:])
         mine = [(k, SowRecord(r, 1, None)) for k, r in records.items() if r["id"] % 2 == half]
-        rows = order_and_cut(mine, query, lambda row: row[1].data)
+        rows = order_and_cut(mine, query, lambda row: row[1].data, lambda row: row[0])
         select = selection(query, topology.topic("t").key_spec.split)
         return {"partitions": [half], "results": [result(k, r, select) for k, r in rows]}
 

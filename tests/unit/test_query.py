@@ -93,7 +93,7 @@ def test_an_index_with_too_many_value_combinations_is_passed_over(stores):
 
 def test_order_puts_missing_last_and_mixes_types():
     rows = [{"v": 2}, {}, {"v": "a"}, {"v": 1.5}]
-    out = order_and_cut(rows, SowQuery(order_by="/v"), lambda r: r)
+    out = order_and_cut(rows, SowQuery(order_by="/v"), lambda r: r, repr)
     assert out == [{"v": 1.5}, {"v": 2}, {"v": "a"}, {}]
 
 
@@ -101,9 +101,9 @@ def test_a_string_that_spells_a_number_sorts_as_that_number_exactly():
     """As filters compare it: an Avro decimal's text sorted as text put 5.50 after 12.34, so `--top`
     on a money field returned the wrong rows."""
     values = ["100.00", "5.50", 3, "12.34", "-0.0001", "-3.0000", "abc", "12345678901234567890.000002", "12345678901234567890.000001"]
-    out = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v DESC", top=4), lambda r: r)
+    out = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v DESC", top=4), lambda r: r, repr)
     assert [r["v"] for r in out] == ["abc", "12345678901234567890.000002", "12345678901234567890.000001", "100.00"]
-    ascending = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v"), lambda r: r)
+    ascending = order_and_cut([{"v": v} for v in values], SowQuery(order_by="/v"), lambda r: r, repr)
     assert [r["v"] for r in ascending] == ["-3.0000", "-0.0001", 3, "5.50", "12.34", "100.00", "12345678901234567890.000001",
                                            "12345678901234567890.000002", "abc"]
 
@@ -293,7 +293,7 @@ def test_an_order_by_that_is_not_a_path_and_a_direction_is_refused(order_by):
 @pytest.mark.parametrize(("order_by", "ids"), [("/v asc", [1, 2, 3]), ("/v", [1, 2, 3]), ("/v desc", [3, 2, 1]), ("  /v   DESC ", [3, 2, 1])])
 def test_order_by_directions_in_any_case(order_by, ids):
     rows = [{"id": i, "v": i * 10} for i in (2, 3, 1)]
-    assert [r["id"] for r in order_and_cut(rows, SowQuery(order_by=order_by), lambda r: r)] == ids
+    assert [r["id"] for r in order_and_cut(rows, SowQuery(order_by=order_by), lambda r: r, repr)] == ids
 
 
 @pytest.mark.parametrize("query", [SowQuery(), SowQuery("/n > 0"), SowQuery("/g = 1"), SowQuery(keys=("a", "b", "c", "d")), SowQuery(top=2, order_by="/n")])
