@@ -238,11 +238,17 @@ class Client:
         or one behind: the delete stays on the input topic and is applied when one gets to it).
         When more records match than a worker answers a query with (KSOW_QUERY_MAX_ROWS), the
         delete is sent without being counted: it returns None and `last_delete_uncounted` says why.
+
+        More `keys` than KSOW_MAX_DELETE_KEYS (this client's setting: keep it no higher than the
+        workers') go as several sow_delete messages of at most that many each, in the order given
+        (a SowKey named twice is sent once), each sent and routed as one delete by keys is; the
+        count and `last_delete_pending` cover them all.
         """
         if sum(x is not None for x in (filter, keys, data)) != 1:
             raise ClientError("give exactly one of filter, keys or data")
         spec = self.spec(topic)
-        headers = [(H.COMMAND, b"sow_delete")]
+        command = (H.COMMAND, b"sow_delete")
+        messages = [[command]]  # the headers of each message the delete is sent as
         value = None
         key = None
         self.last_delete_pending = 0
@@ -253,15 +259,15 @@ class Client:
             if not filter.strip():
                 raise ClientError("a blank filter would delete every record: say '1=1' to mean that")
             compile_filter(filter)  # raises FilterError pointing at the position
-            headers.append((H.FILTER, filter.encode()))
+            messages[0].append((H.FILTER, filter.encode()))
         elif keys is not None:
             if not keys:
                 raise ClientError("an empty key list deletes nothing: give at least one SowKey")
             _check_keys(keys)
-            if len(keys) > (cap := max_delete_keys()):  # a worker would put it on `.errors`, and a wait count it pending
-                raise ClientError(f"{len(keys)} SowKeys are over the limit of {cap} per sow_delete (KSOW_MAX_DELETE_KEYS): "
-                                  "delete them in several")
-            headers.append((H.KEYS, ",".join(keys).encode()))
+            keys = list(dict.fromkeys(keys))
+            # A worker puts a sow_delete listing more than its limit on `.errors`: send several.
+            cap = max_delete_keys()
+            messages = [[command, (H.KEYS, ",".join(keys[i:i + cap]).encode())] for i in range(0, len(keys), cap)]
         else:
             value, record = self._encode(spec, data)
             try:
@@ -270,12 +276,12 @@ class Client:
                 raise ClientError(str(exc)) from None
         self._require(self.producer, spec.topic)
         if wait is None:
-            self._send(spec.topic, value, key, headers)
+            self._send_each(spec.topic, value, key, messages)
             return None
         try:
             targets = {e.sow_key for e in self.query(topic, filter=filter, keys=keys or ([key.decode()] if key else None))}
         except TooManyRecords as exc:
-            self._send(spec.topic, value, key, headers)
+            self._send_each(spec.topic, value, key, messages)
             self.flush()
             self.last_delete_uncounted = str(exc)
             return None
@@ -283,7 +289,7 @@ class Client:
         try:
             ends = end_offsets(consumer, spec.sow_topic, range(spec.partitions))
             consumer.assign([TopicPartition(spec.sow_topic, p, high) for p, (_, high) in ends.items()])
-            self._send(spec.topic, value, key, headers)
+            self._send_each(spec.topic, value, key, messages)
             self.flush()
             deleted: set[str] = set()
             deadline = time.monotonic() + wait
@@ -297,6 +303,17 @@ class Client:
             return len(deleted)
         finally:
             consumer.close()
+
+    def _send_each(self, topic: str, value: bytes | None, key: bytes | None, messages: list[list]) -> None:
+        """One message a header list, in order; when one fails after others went, the error says how
+        many went (they are applied: a caller may send the rest again)."""
+        for sent, headers in enumerate(messages):
+            try:
+                self._send(topic, value, key, headers)
+            except (ClientError, KafkaException) as exc:
+                if not sent:
+                    raise
+                raise ClientError(f"sow_delete {sent + 1} of {len(messages)} was not sent ({exc}); the {sent} before it were") from exc
 
     def flush(self, timeout: float = 30.0) -> None:
         if self._producer is not None and self._producer.flush(timeout) > 0:

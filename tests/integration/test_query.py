@@ -184,6 +184,28 @@ def test_a_delete_matching_more_than_a_worker_answers_is_sent_uncounted(kafka_bo
         worker.kill()
 
 
+def test_a_delete_of_more_keys_than_the_limit_deletes_them_all(kafka_bootstrap, unique_name, tmp_path, monkeypatch):
+    """The client refused a delete of more SowKeys than KSOW_MAX_DELETE_KEYS; it sends them as
+    several sow_deletes within the limit (4 here, for the worker and the client): 11 keys, 3 messages,
+    all deleted and counted, none on `.errors`."""
+    path = write_topology(tmp_path, unique_name, partitions=2)
+    group = f"g-{unique_name}"
+    worker = Worker(kafka_bootstrap, path, group, tmp_path / "d", "w", env={"KSOW_MAX_DELETE_KEYS": "4"}).start()
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "4")
+    try:
+        client = Client(kafka_bootstrap, load_topology(path), group)
+        keys = [client.publish(unique_name, {"id": i}) for i in range(15)]
+        client.flush()
+        wait_until(lambda: len(client.query(unique_name)) == 15 and client.last_query_source == "workers", timeout=60)
+        assert client.delete(unique_name, keys=keys[:11], wait=30) == 11 and client.last_delete_pending == 0
+        assert sorted(e.sow_key for e in client.query(unique_name)) == sorted(keys[11:])
+        requests = [m for m in read_all(kafka_bootstrap, unique_name, 2) if headers_of(m).get("sow-command") == "sow_delete"]
+        assert sorted(len(headers_of(m)["sow-keys"].split(",")) for m in requests) == [3, 4, 4]
+        assert read_all(kafka_bootstrap, f"{unique_name}.errors", 2) == []
+    finally:
+        worker.kill()
+
+
 def test_a_topic_pattern_queries_every_topic_and_view_it_matches(cluster):
     """A query's topic may be a regular expression over the SOW topics and views (AMPS): each
     entry names its topic, and order_by and top apply to all of them together."""

@@ -3,7 +3,7 @@
 import pytest
 from confluent_kafka import KafkaError
 
-from processor.client.sow_client import Client
+from processor.client.sow_client import Client, SowEntry
 
 
 def test_a_flush_that_times_out_names_the_cause_not_the_brokers_being_down():
@@ -370,20 +370,84 @@ def test_a_lifetime_given_as_a_number_reaches_the_worker_as_one_it_reads(monkeyp
     assert parse_command(spec.key_spec, client.codec(spec), Command.PUBLISH, value, header_map(headers)).expiration_ms == ms
 
 
-def test_more_keys_than_a_worker_takes_in_one_delete_are_refused_before_anything_is_sent(monkeypatch):
-    """The worker put such a delete on .errors, while ksow delete printed {"deleted": 0, "pending": 4}
-    and said it would be applied when a worker got to it (exit 0)."""
-    from processor.client.sow_client import ClientError
-    from processor.contract.limits import MAX_DELETE_KEYS
+def _sending_deletes(monkeypatch) -> tuple[Client, list]:
+    """A client whose deletes are kept in a list as (topic, value, key, headers) instead of sent."""
+    sent = []
+    monkeypatch.setattr(Client, "_require", lambda self, handle, name: None)
+    monkeypatch.setattr(Client, "_send", lambda self, topic, value, key, headers: sent.append((topic, value, key, headers)))
+    return Client("127.0.0.1:1"), sent
 
-    client = Client("127.0.0.1:1")
-    with pytest.raises(ClientError, match=rf"{MAX_DELETE_KEYS + 1} SowKeys are over the limit of {MAX_DELETE_KEYS} "
-                                          r"per sow_delete \(KSOW_MAX_DELETE_KEYS\)"):
-        client.delete("orders", keys=[f"k{i}" for i in range(MAX_DELETE_KEYS + 1)])
+
+def test_more_keys_than_a_worker_takes_in_one_delete_go_as_several_deletes(monkeypatch):
+    """A delete of more SowKeys than KSOW_MAX_DELETE_KEYS was refused by the client (a worker puts
+    such a sow_delete on .errors): a user asking to delete 20,000 keys expects them deleted. They go
+    as several sow_deletes of at most the limit each, in the order given, as one delete by keys
+    goes (no Kafka key, no value), each one a worker with that limit accepts."""
+    from processor.contract.types import Command
+    from processor.core.commands import header_map, parse_command
+
     monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "3")
-    with pytest.raises(ClientError, match="4 SowKeys are over the limit of 3"):
+    client, sent = _sending_deletes(monkeypatch)
+    assert client.delete("orders", keys=["a", "b", "c", "d", "b", "e", "f", "g"]) is None
+    spec = client.spec("orders")
+    parsed = [parse_command(spec.key_spec, client.codec(spec), Command.PUBLISH, value, header_map(headers))
+              for _, value, _, headers in sent]
+    assert [c.keys for c in parsed] == [("a", "b", "c"), ("d", "e", "f"), ("g",)]
+    assert {(topic, value, key) for topic, value, key, _ in sent} == {("orders", None, None)}
+    assert all(c.command is Command.SOW_DELETE for c in parsed)
+    sent.clear()
+    client.delete("orders", keys=["a", "b", "c"])  # at the limit: one message, as before
+    assert len(sent) == 1
+
+
+def test_a_chunked_delete_counts_and_reports_pending_over_all_its_messages(monkeypatch):
+    """With a wait, the count and `last_delete_pending` cover every message of the delete: here the
+    workers applied the first two of three, so the last one's key is pending."""
+    from types import SimpleNamespace
+
+    from processor.client import sow_client
+    from processor.contract.types import Op
+
+    from .fake_clients import Message
+
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "2")
+    client, sent = _sending_deletes(monkeypatch)
+    keys = ["a", "b", "c", "d", "e"]
+    monkeypatch.setattr(client, "query", lambda topic, **kw: [SowEntry(k, 1, None, {}) for k in kw["keys"]])
+    monkeypatch.setattr(client, "flush", lambda timeout=30.0: None)
+    monkeypatch.setattr(client, "_parse", lambda codec, msg: SimpleNamespace(op=Op.DELETE, key=msg.key().decode()))
+    monkeypatch.setattr(sow_client, "end_offsets", lambda consumer, topic, partitions: {})
+
+    class Consumer:
+        def assign(self, partitions):
+            pass
+
+        def consume(self, n, timeout):
+            applied = [k for _, _, _, headers in sent[:2] for k in dict(headers)["sow-keys"].decode().split(",")]
+            return [Message("orders.sow", 0, key=k.encode()) for k in applied]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(sow_client, "make_consumer", lambda *a, **kw: Consumer())
+    assert client.delete("orders", keys=keys, wait=0.3) == 4
+    assert len(sent) == 3 and client.last_delete_pending == 1
+
+
+def test_a_chunked_delete_that_fails_midway_says_how_many_messages_went(monkeypatch):
+    from processor.client.sow_client import ClientError
+
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "1")
+    client, sent = _sending_deletes(monkeypatch)
+
+    def send(topic, value, key, headers):
+        if len(sent) == 2:
+            raise ClientError("sow_delete (its headers) is too large for one Kafka message")
+        sent.append(headers)
+
+    monkeypatch.setattr(client, "_send", send)
+    with pytest.raises(ClientError, match=r"sow_delete 3 of 4 was not sent \(sow_delete \(its headers\) is too large .*\); the 2 before it were"):
         client.delete("orders", keys=["a", "b", "c", "d"])
-    assert client._producer is None
 
 
 def test_a_query_ordered_by_a_field_it_does_not_select_is_ordered_by_that_field(monkeypatch):
