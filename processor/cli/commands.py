@@ -534,9 +534,13 @@ def query(bootstrap, topology, group, web_token, topic, filter_, keys, select, t
 @click.option("--conflation", default=None, help="Merge updates per record over this interval (e.g. 250ms).")
 @click.option("--timeout", type=SECONDS, default=None, help="Stop after this many idle seconds.")
 @click.option("--after", "--after-seq", "after_seq", default=None,
-              help="Resume after this bookmark (the \"bookmark\" of the last event taken: an event ID per partition) instead of starting with the SOW.")
+              help="Resume after this bookmark (the \"bookmark\" of the last event taken: an event ID per partition; "
+                   "a pattern's names each topic's part) instead of starting with the SOW.")
 def subscribe(bootstrap, topology, topic, filter_, sow, delta, oof, no_empties, no_sowkey, select, keys, conflation, timeout, after_seq) -> None:
-    """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines."""
+    """Subscribe (optionally sow_and_subscribe) to a SOW topic, printing JSON lines. TOPIC may also be
+    a regular expression matching whole names of SOW topics and views: then it subscribes to every one
+    it matches (with --sow, all their snapshots first), each option applying to each, and each line
+    names its topic."""
     if no_empties and not delta:
         _fail("--no-empties applies to --delta subscriptions (a full record is never empty)")
     if after_seq is not None and sow:

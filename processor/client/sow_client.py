@@ -27,7 +27,7 @@ from processor.contract.errors import InputError
 from processor.contract.limits import QUERY_SPAN, max_delete_keys, query_max_seconds
 from processor.contract.types import Op, SowRecord
 from processor.contract import headers as H
-from processor.core.bookmarks import Bookmark, BookmarkError, partition_of
+from processor.core.bookmarks import Bookmark, BookmarkError, join_topics, partition_of, split_topics
 from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_message
 from processor.core.codec import Codec, check_integers, check_nesting
 from processor.core.durations import parse_duration_ms
@@ -340,18 +340,23 @@ class Client:
             log.warning("skipped malformed record %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
             return None
 
-    def _snapshot(self, spec: SowTopic, after: Bookmark | None = None) -> tuple[dict, dict[int, int], Any, list[tuple], Bookmark]:
+    def _snapshot(self, spec: SowTopic, after: Bookmark | None = None, consumer=None) -> tuple[dict, dict[int, int], Any, list[tuple], Bookmark]:
         """The SOW as of now: SowKey -> (record, seq, expires_at), the end offsets, the consumer,
         (with `after`) the last change of every record that came after that bookmark, in order of
         event ID, and the bookmark of everything read (the position the live stream starts at).
+        Read with `consumer` when given (the caller's: it reads several topics' in turn), else with
+        a new one.
 
         Records past their instant are left out (see `_decode_change`), swept or not."""
-        consumer = make_consumer(self.bootstrap, error_cb=self._remember_error)
+        mine = consumer is None
+        if mine:
+            consumer = make_consumer(self.bootstrap, error_cb=self._remember_error)
         topic = _live_topic(spec)
         try:
             self._require(consumer, topic)
         except Exception:  # a missing topic, a refused login: the consumer is not handed out
-            consumer.close()
+            if mine:
+                consumer.close()
             raise
         read = Bookmark.start(spec.partitions)
         ends = {p: high for p, (_, high) in end_offsets(consumer, topic, range(spec.partitions)).items()}
@@ -410,10 +415,15 @@ class Client:
         Every path gives the same order (processor.core.sortorder): by `order_by`, ties in SowKey
         order (then topic name), or in SowKey order without it; `top` keeps the first.
         """
-        if topic not in self.topology.names() and (names := self.topology.matching(topic)):
+        if names := self._pattern(topic):
             return self._query_each(names, filter, keys, select, top, order_by)
         entries, hidden = self._query_one(topic, filter, keys, select, top, order_by)
         return [_hide(entry, hidden) for entry in entries]
+
+    def _pattern(self, topic: str) -> list[str]:
+        """The SOW topics and views `topic` names as a regular expression over their names: none
+        when it is one of those names (or matches none: then it is read as a name, and refused)."""
+        return [] if topic in self.topology.names() else self.topology.matching(topic)
 
     def _query_one(self, topic: str, filter: str | None, keys: list[str] | None, select: list[str] | None,
                    top: int | None, order_by: str | None) -> tuple[list[SowEntry], tuple[str, ...] | None]:
@@ -560,6 +570,9 @@ class Client:
         to resume after this event). Stops after `timeout` seconds of no messages, if given. `after`
         (or its old name `after_seq`) resumes after a bookmark (see subscribe_many). `keys` (a list
         of SowKeys) limits the subscription to those records, the snapshot and the live changes.
+
+        A `topic` that is no SOW topic or view of the topology may be a regular expression over
+        their names, as in `query`: see subscribe_many.
         """
         options = dict(filter=filter, delta=delta, oof=oof, no_empties=no_empties, no_sowkey=no_sowkey, select=select, conflation=conflation,
                        keys=keys)
@@ -582,60 +595,111 @@ class Client:
         (op of the removal, record null), then the live stream. An event ID alone is a bookmark of
         its own partition only: the other partitions' records then come again, as changed since
         their start (a warning says so).
+
+        A `topic` that is no SOW topic or view of the topology may be a regular expression over
+        their names (matched whole, RE2's syntax, as `query` takes it): each subscription is then
+        one to every topic and view it matches, each read as if named alone (its options, a view's
+        filter and select list), over the same one consumer. With `sow`, the snapshots of all of
+        them come first (one topic's after another), then their live events as they come. Each
+        event names the topic or view it came from ("topic"), and its bookmark names each SOW
+        topic's part (`orders=1024,2049;trades=3072`, bookmarks.join_topics): `after` takes one
+        such, and a SOW topic it does not name comes again from its start (a warning says so).
         """
         if after is None:
             after = after_seq
-        view = topic
-        topic = self._through_view(view, None, None)[0]
-        spec = self.spec(topic)
-        bookmark = None
+        pattern = self._pattern(topic)
+        sources: dict[str, _Source] = {}
+        for name in pattern or [topic]:
+            base = self._through_view(name, None, None)[0]
+            if base not in sources:
+                sources[base] = _Source(self.spec(base))
+            source = sources[base]
+            for index, options in enumerate(subscriptions):
+                source.feeds.append(self._feed(source.spec, name, options, index, name if pattern else None))
         if after is not None:
+            self._resume_points(list(sources.values()), after, bool(pattern))
+        # The snapshots are taken now, not at the first next(): the subscription starts at this call.
+        consumer = None
+        try:
+            for source in sources.values():
+                source.state, source.ends, consumer, source.since, source.read = self._snapshot(source.spec, source.after, consumer)
+        except BaseException:
+            if consumer is not None:
+                consumer.close()
+            raise
+        return self._events(list(sources.values()), consumer, sow and after is None, timeout, bool(pattern))
+
+    def _feed(self, spec: SowTopic, name: str, options: dict, index: int, tag: str | None) -> "_Feed":
+        """Subscription `index` to `name` (a SOW topic, or a view of `spec`) with `options`."""
+        options = dict(options)
+        _, options["filter"], options["select"] = self._through_view(name, options.get("filter"), options.get("select"))
+        conflation = options.pop("conflation", None)
+        sub = self._subscription_spec(spec, options.pop("filter", None), **options)
+        return _Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0, index=index, topic=tag)
+
+    def _resume_points(self, sources: list["_Source"], after: str | int, pattern: bool) -> None:
+        """Where each source resumes, from `after`: one topic's bookmark, or with a pattern one that
+        names each SOW topic's part (see subscribe_many). Raises ClientError."""
+        try:
+            parts = split_topics(after) if pattern else {sources[0].spec.topic: after}
+        except BookmarkError as exc:
+            raise ClientError(str(exc)) from None
+        if unknown := sorted(set(parts) - {source.spec.topic for source in sources}):
+            raise ClientError(f"the bookmark names {', '.join(unknown)}, which the pattern does not match: "
+                              "resume with the bookmark of an event of this pattern's subscription")
+        for source in sources:
+            spec = source.spec
+            if spec.topic not in parts:
+                log.warning("the bookmark names no part of %s: its records come again, as changed since its start", spec.topic)
+                source.resume(Bookmark.start(spec.partitions))
+                continue
             try:
-                bookmark, missing = Bookmark.parse(after, spec.partitions)
+                bookmark, missing = Bookmark.parse(parts[spec.topic], spec.partitions)
             except BookmarkError as exc:
-                raise ClientError(str(exc)) from None
+                raise ClientError(f"{spec.topic}: {exc}" if pattern else str(exc)) from None
+            source.resume(bookmark)
             if missing:
                 log.warning("the bookmark names no event ID of partition(s) %s of %s: their records come again, as changed since "
-                            "their start (resume with the bookmark of the last event, not its event ID)", ", ".join(map(str, missing)), topic)
-        feeds = []
-        for options in subscriptions:
-            options = dict(options)
-            _, options["filter"], options["select"] = self._through_view(view, options.get("filter"), options.get("select"))
-            conflation = options.pop("conflation", None)
-            sub = self._subscription_spec(spec, options.pop("filter", None), **options)
-            feeds.append(_Feed(sub, parse_duration_ms(conflation) / 1000 if conflation else 0.0))
-        # The snapshot is taken now, not at the first next(): the subscription starts at this call.
-        state, ends, consumer, since, read = self._snapshot(spec, bookmark)
-        return self._events(spec, feeds, state, ends, consumer, sow and bookmark is None, timeout, since, read, bookmark)
+                            "their start (resume with the bookmark of the last event, not its event ID)", ", ".join(map(str, missing)), spec.topic)
 
-    def _events(self, spec, feeds: list["_Feed"], state, ends, consumer, sow, timeout, since, read: Bookmark,
-                after: Bookmark | None) -> Iterator[tuple[int, dict]]:
-        codec = self.codec(spec)
+    def _events(self, sources: list["_Source"], consumer, sow: bool, timeout: float | None, tagged: bool) -> Iterator[tuple[int, dict]]:
+        """The events of the sources' feeds, read with `consumer` (left after their snapshots): the
+        changes after each one's bookmark (those with `after`), else with `sow` the snapshots, then
+        the live changes of all of them. With `tagged` (a pattern's), each event names its topic
+        and its bookmark every source's part."""
+
+        def mark(source: _Source, index: int, at: Bookmark | None = None) -> str:
+            """The bookmark of an event of subscription `index` from `source` (at `at` there, else
+            at its position): in each source short of the events its feeds still hold."""
+            own = source.held_back(index, at or source.position)
+            if not tagged:
+                return str(own)
+            return join_topics({s.spec.topic: str(own if s is source else s.held_back(index, s.position)) for s in sources})
+
         try:
-            if after is not None:
-                at = after.copy()
-                for op, key, seq, before, record, expires in since:
-                    at.advance(seq)
-                    for i, feed in enumerate(feeds):
+            for source in sources:
+                for op, key, seq, before, record, expires in source.since:
+                    source.position.advance(seq)
+                    for feed in source.feeds:
                         event = feed.sub.resumed(op, key, seq, record, expires, before)
                         if event is not None:
-                            event["bookmark"] = str(at)
-                            yield i, event
-            if sow:  # oldest change first, so that each event's bookmark covers what came before it
-                at = Bookmark.start(spec.partitions)
-                for key, (record, seq, expires) in sorted(state.items(), key=_by_seq):
+                            yield feed.index, feed.out(event, mark(source, feed.index))
+            for source in sources if sow else ():  # oldest change first, so that each event's bookmark covers what came before it
+                for key, (record, seq, expires) in sorted(source.state.items(), key=_by_seq):
                     if seq is not None:
-                        at.advance(seq)
-                    for i, feed in enumerate(feeds):
+                        source.position.advance(seq)
+                    for feed in source.feeds:
                         event = feed.sub.snapshot(key, seq, record, expires)
                         if event is not None:
-                            event["bookmark"] = str(at)
-                            yield i, event
-            position = read
-            for seq in after.positions if after is not None else ():
-                position.advance(seq)
-            consumer.assign([TopicPartition(_live_topic(spec), p, ends[p]) for p in ends])
-            stored = spec.persistence is not Persistence.TRANSIENT
+                            yield feed.index, feed.out(event, mark(source, feed.index))
+            by_topic = {}
+            for source in sources:
+                for seq in source.after.positions if source.after is not None else ():
+                    source.read.advance(seq)
+                source.position = source.read
+                by_topic[_live_topic(source.spec)] = source
+            consumer.assign([TopicPartition(topic, p, end) for topic, source in by_topic.items() for p, end in source.ends.items()])
+            feeds = [feed for source in sources for feed in source.feeds]
             idle_since = time.monotonic()
             for feed in feeds:
                 feed.flush_at = idle_since + feed.interval
@@ -648,15 +712,16 @@ class Client:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now
-                    parsed = self._parse(codec, msg)
+                    source = by_topic[msg.topic()]
+                    parsed = self._parse(self.codec(source.spec), msg)
                     if parsed is None:
                         continue
                     # A transient topic's messages come whole, each as if new (a delta subscriber too).
-                    change = _apply_change(state if stored else {}, parsed, spec.expiry)
+                    change = _apply_change(source.state if source.stored else {}, parsed, source.spec.expiry)
                     seq = change[2]
                     if seq is not None and partition_of(seq) == msg.partition():
-                        position.advance(seq)
-                    for i, feed in enumerate(feeds):
+                        source.position.advance(seq)
+                    for feed in source.feeds:
                         event = feed.sub.change(*change)
                         if event is None:
                             continue
@@ -668,18 +733,18 @@ class Client:
                             else:
                                 feed.pending[key] = held
                             if now_sent is not None:  # it left and is back: the leave goes at once
-                                now_sent["bookmark"] = str(position.short_of(e.get("seq") for e in feed.pending.values()))
-                                yield i, now_sent
+                                yield feed.index, feed.out(now_sent, mark(source, feed.index))
                         else:
-                            event["bookmark"] = str(position)
-                            yield i, event
+                            yield feed.index, feed.out(event, mark(source, feed.index))
                 idle = timeout is not None and now - idle_since > timeout
-                for i, feed in enumerate(feeds):
-                    if feed.pending and (idle or now >= feed.flush_at):
-                        for event in _released(feed.pending, position):
-                            yield i, event
-                    if feed.interval and now >= feed.flush_at:
-                        feed.flush_at = now + feed.interval
+                for source in sources:
+                    for feed in source.feeds:
+                        if feed.pending and (idle or now >= feed.flush_at):
+                            at = lambda own, source=source, feed=feed: mark(source, feed.index, own)  # noqa: E731
+                            for event in _released(feed.pending, source.position, at):
+                                yield feed.index, feed.out(event, event["bookmark"])
+                        if feed.interval and now >= feed.flush_at:
+                            feed.flush_at = now + feed.interval
                 if idle:
                     return
         finally:
@@ -700,10 +765,10 @@ def _by_seq(item: tuple) -> int:
     return item[1][1] or 0
 
 
-def _released(pending: dict, position: Bookmark) -> Iterator[dict]:
+def _released(pending: dict, position: Bookmark, mark: Callable[[Bookmark], str] = str) -> Iterator[dict]:
     """A conflation interval's events, oldest change first (and `pending` emptied), each with a
     bookmark that stops short of the events of its partition still to come after it: a subscriber
-    that stops in the middle resumes with the rest."""
+    that stops in the middle resumes with the rest. `mark` writes it (a pattern's names each topic's part)."""
     events = sorted(pending.values(), key=lambda e: e.get("seq") or 0)
     pending.clear()
     to_come: list[list[int]] = []
@@ -714,8 +779,7 @@ def _released(pending: dict, position: Bookmark) -> Iterator[dict]:
         if seq is not None:
             upcoming[partition_of(seq)] = seq
     for event, later in zip(events, reversed(to_come)):
-        at = position.short_of(later)
-        event["bookmark"] = str(at)
+        event["bookmark"] = mark(position.short_of(later))
         yield event
 
 
@@ -763,6 +827,41 @@ class _Feed:
     interval: float = 0.0
     flush_at: float = 0.0
     pending: dict = field(default_factory=dict)
+    index: int = 0  # the subscription's, in subscribe_many's list
+    topic: str | None = None  # the topic or view its events name (a pattern's subscription)
+
+    def out(self, event: dict, bookmark: str) -> dict:
+        event["bookmark"] = bookmark
+        return event if self.topic is None else {"topic": self.topic, **event}
+
+
+@dataclass
+class _Source:
+    """One SOW topic a subscription reads (a pattern's, each it matches): its feeds (one per
+    subscription and name, the topic's or a view's), its SOW state and how far its events got."""
+
+    spec: SowTopic
+    feeds: list[_Feed] = field(default_factory=list)
+    after: Bookmark | None = None  # where it resumes (see `resume`)
+    state: dict = field(default_factory=dict)
+    ends: dict[int, int] = field(default_factory=dict)
+    since: list[tuple] = field(default_factory=list)
+    read: Bookmark | None = None
+
+    def __post_init__(self) -> None:
+        self.stored = self.spec.persistence is not Persistence.TRANSIENT
+        self.position = Bookmark.start(self.spec.partitions)  # the bookmark of the events given so far, conflation aside
+        self._by_index: dict[int, list[_Feed]] = {}
+
+    def resume(self, after: Bookmark) -> None:
+        self.after, self.position = after, after.copy()
+
+    def held_back(self, index: int, at: Bookmark) -> Bookmark:
+        """`at` stopped short of the events subscription `index`'s feeds still hold (conflation)."""
+        if not self._by_index:
+            for feed in self.feeds:
+                self._by_index.setdefault(feed.index, []).append(feed)
+        return at.short_of(e.get("seq") for feed in self._by_index.get(index, ()) for e in feed.pending.values())
 
 
 def _only_events(feed: Iterator[tuple[int, dict]]) -> Iterator[dict]:

@@ -109,3 +109,26 @@ class Bookmark:
 
     def __repr__(self) -> str:
         return f"Bookmark({self})"
+
+
+def join_topics(parts: dict[str, str]) -> str:
+    """The bookmark of a subscription to several SOW topics (a topic pattern's): each topic's own
+    bookmark after its name, `orders=1024,2049;trades=3072,3073`."""
+    return ";".join(f"{topic}={part}" for topic, part in parts.items())
+
+
+def split_topics(value: int | str | Iterable[int]) -> dict[str, str]:
+    """Each topic's part of a bookmark that join_topics wrote, by topic. Raises BookmarkError for
+    anything else (an event ID, one topic's bookmark), which says nothing of the other topics."""
+    said = "a pattern subscription resumes after the bookmark of one of its events: TOPIC=EVENT IDS for each topic, separated by ';'"
+    if not isinstance(value, str) or "=" not in value:
+        raise BookmarkError(f"{said}; got {value!r}")
+    parts: dict[str, str] = {}
+    for piece in value.split(";"):
+        topic, sign, part = piece.strip().partition("=")
+        if not sign or not topic or not part:
+            raise BookmarkError(f"{said}; got {piece!r} in it")
+        if topic in parts:
+            raise BookmarkError(f"the bookmark names {topic} twice")
+        parts[topic] = part
+    return parts

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from processor.client.sow_client import Client
+from processor.core.bookmarks import split_topics
 from processor.topology import load_topology
 
 from .workers import Worker, headers_of, read_all, wait_until
@@ -217,3 +218,42 @@ def test_a_subscription_limited_to_sowkeys_gets_only_their_snapshot_and_changes(
     event = next(sub)  # after the updates of 0 and 2, which it was not told
     assert (event["op"], event["record"]) == ("update", {"id": 1, "status": "last"}), event
     sub.close()
+
+
+def test_a_topic_pattern_subscribes_to_every_sow_topic_it_matches(kafka_bootstrap, unique_name, tmp_path):
+    """One pattern, two SOW topics it matches and one it does not: the snapshots of both, then the
+    live events of both, each naming its topic, none of the third; its bookmark resumes both."""
+    a, b, other = f"{unique_name}_a", f"{unique_name}_b", f"{unique_name}_c"
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump({"sow": [{"topic": t, "key": ["/id"], "partitions": 2} for t in (a, b, other)]}))
+    worker = Worker(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d1").start()
+    try:
+        client = Client(kafka_bootstrap, load_topology(path))
+        for topic, ids in ((a, (1, 2)), (b, (3,)), (other, (4,))):
+            for i in ids:
+                client.publish(topic, {"id": i, "v": 0})
+        client.flush()
+        wait_until(lambda: len(client.query(f"{unique_name}_.")) == 4)
+        sub = client.subscribe(f"{unique_name}_[ab]", sow=True, filter="/v >= 0")
+        snapshot = [next(sub) for _ in range(3)]
+        assert sorted((e["topic"], e["op"], e["record"]["id"]) for e in snapshot) == [(a, "sow", 1), (a, "sow", 2), (b, "sow", 3)]
+        assert [e["topic"] for e in snapshot] == [a, a, b]  # one topic's snapshot, then the next's
+        client.publish(other, {"id": 4, "v": 1})  # the pattern does not match it: never told
+        client.publish(b, {"id": 3, "v": 1})
+        client.publish(a, {"id": 5, "v": 1})
+        client.publish(a, {"id": 2, "v": -1})  # out of the filter: no event (no oof asked for)
+        client.flush()
+        live = [next(sub) for _ in range(2)]
+        assert sorted((e["topic"], e["op"], e["record"]["id"]) for e in live) == [(a, "insert", 5), (b, "update", 3)]
+        bookmark = live[-1]["bookmark"]
+        assert set(split_topics(bookmark)) == {a, b}
+        sub.close()
+        client.publish(a, {"id": 1, "v": 2})
+        client.publish(b, {"id": 6, "v": 2})
+        client.publish(other, {"id": 7, "v": 2})
+        client.flush()
+        wait_until(lambda: sorted(r.record["id"] for r in client.query(f"{unique_name}_.", filter="/v = 2")) == [1, 6, 7])  # on `.sow`: resumed, not live
+        resumed = collect(client.subscribe(f"{unique_name}_[ab]", after=bookmark, filter="/v >= 0", timeout=5), lambda got: len(got) >= 2)
+        assert sorted((e["topic"], e["op"], e["record"]["id"]) for e in resumed) == [(a, "sow", 1), (b, "sow", 6)]
+    finally:
+        worker.kill()
