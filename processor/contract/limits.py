@@ -34,6 +34,9 @@ MAX_FUTURE_STAMP_MS = 10_000
 # charged to it and held to half of it. Unbounded, each store took up to 128 MiB of memtables and
 # its own block cache, and a worker's stores are its topics times its partitions.
 ROCKSDB_MEMORY_MB = 512
+# Decoded records the stores of one process keep between batches, together (each its share): ~850
+# bytes each for a record of six short fields. Each store kept 50,000: 40 MiB of them a partition.
+CACHE_RECORDS = 200_000
 
 _ENV = {
     "KSOW_MAX_DELETE_KEYS": (int, MAX_DELETE_KEYS),
@@ -46,6 +49,7 @@ _ENV = {
     "KSOW_QUERY_SHARE": (float, QUERY_SHARE),
     "KSOW_DELETE_FILTER_SECONDS": (float, DELETE_FILTER_SECONDS),
     "KSOW_ROCKSDB_MEMORY_MB": (int, ROCKSDB_MEMORY_MB),
+    "KSOW_CACHE_RECORDS": (int, CACHE_RECORDS),
 }
 
 
@@ -91,6 +95,12 @@ def rocksdb_memory_bytes() -> int:
     """RocksDB memory of one process's stores together (env KSOW_ROCKSDB_MEMORY_MB): block cache and
     memtables, the memtables at most half."""
     return int(_env("KSOW_ROCKSDB_MEMORY_MB")) << 20
+
+
+def cache_records() -> int:
+    """Decoded records the SOW stores of one process keep between batches, all together (env
+    KSOW_CACHE_RECORDS): updates of records in it read nothing from RocksDB."""
+    return int(_env("KSOW_CACHE_RECORDS"))
 
 
 def query_max_rows() -> int:

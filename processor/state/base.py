@@ -16,8 +16,9 @@ Everything SOW-specific lives here, once, for every backend:
 
 Writes are staged (read-your-writes within a batch) and committed with the metadata in one atomic
 batch, so a crash leaves the store at a consistent changelog position. Records read or committed
-stay in a bounded cache (`CACHE_RECORDS`) for the runner's next batches: updates of the same
-records, the common case, then cost no RocksDB read and no decoding. A record read from RocksDB is
+stay in a cache for the runner's next batches: updates of the same records, the common case, then
+cost no RocksDB read and no decoding. The stores of a process share one bound on it
+(KSOW_CACHE_RECORDS, `cache_records`), so a worker's memory does not grow with its partitions. A record read from RocksDB is
 decoded only when its data is first asked for (`StoredRecord`): expiring it needs only its bytes.
 """
 
@@ -28,12 +29,14 @@ import heapq
 import itertools
 import math
 import struct
+import weakref
 from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import orjson
 
+from processor.contract.limits import cache_records
 from processor.contract.types import SowRecord
 from processor.core.filters import distinct_keys, index_keys
 from processor.core.paths import get_path, split_path
@@ -201,7 +204,7 @@ class PreparedCommit:
     clamped: list[str]  # records whose expiry instant is stored clamped: not cached as they are
 
 
-@dataclass
+@dataclass(eq=False)  # a store is itself alone (and hashable: `_OPEN` holds it)
 class PartitionStore:
     """One partition of one SOW topic. Not thread-safe: its runner serialises access."""
 
@@ -222,6 +225,7 @@ class PartitionStore:
     _swept: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _OPEN.add(self)
         self._reindex_age()
         self._reindex_hash()
 
@@ -562,15 +566,12 @@ class PartitionStore:
             batch.put(_META + name.encode(), _INT.pack(value))
         self.backend.write(batch)
         committed = self._committed
-        if len(committed) + len(self._staged) > self.CACHE_RECORDS:
+        committed.update(self._staged)
+        for key in prepared.clamped:
+            del committed[key]
+        if len(committed) > cache_records() // max(1, len(_OPEN)):
             committed.clear()
-        else:
-            committed.update(self._staged)
-            for key in prepared.clamped:
-                del committed[key]
         self.rollback()  # nothing staged is left to forget: it is committed, and cached above
-
-    CACHE_RECORDS = 50_000  # decoded records kept between batches (cleared whole when it would grow past)
 
     def rollback(self) -> None:
         """Forget the staged writes (the cache holds committed versions only: it stays)."""
@@ -602,7 +603,13 @@ class PartitionStore:
         self._reindex_hash()  # nothing to index: stamps the signature the replayed records are indexed under
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self.backend.close()
+
+
+# The open stores of the process: each keeps at most its share of `cache_records()` decoded records
+# (cleared whole when it would grow past: a share is worked out at each commit, as stores come and go).
+_OPEN: "weakref.WeakSet[PartitionStore]" = weakref.WeakSet()
 
 
 CHECK_BYTES = 256 << 10  # record bytes read between two checks at most, however few the records

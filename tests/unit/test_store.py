@@ -475,3 +475,34 @@ def test_rocksdb_stores_of_a_process_share_one_memory_budget(tmp_path, monkeypat
     assert memtables.get_usage() <= 32 << 20
     for store in stores:
         store.close()
+
+
+def test_the_stores_of_a_process_share_one_bound_on_cached_records(monkeypatch):
+    """Decoded records kept between batches are bounded for the process (KSOW_CACHE_RECORDS), each
+    open store keeping its share, not per store: a worker's memory does not grow with its partitions.
+    A store alone keeps the whole budget."""
+    import gc
+
+    from processor.state import base
+
+    gc.collect()  # stores other tests left unclosed and unreferenced no longer count
+    monkeypatch.setenv("KSOW_CACHE_RECORDS", "120")
+    stores = [open_partition_store("memory", None, IndexSpec()) for _ in range(4)]
+    share = 120 // len(base._OPEN)
+    assert share <= 30
+    for n, store in enumerate(stores):
+        for batch in range(5):
+            for i in range(20):
+                store.stage(f"k{batch}-{i}", rec({"n": n, "i": i}, batch * 20 + i + 1))
+            store.commit()
+            assert len(store._committed) <= share
+    for store in stores[1:]:
+        store.close()
+    alone = stores[0]
+    alone._committed.clear()
+    for i in range(100):
+        alone.stage(f"new{i}", rec({"i": i}, 1000 + i))
+    alone.commit()
+    if len(base._OPEN) == 1:
+        assert len(alone._committed) == 100  # within the 120 it now has alone
+    alone.close()
