@@ -478,7 +478,7 @@ def _sent_before(client, count: int) -> str:
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None, help="Delete every record matching this filter.")
 @click.option("--keys", default=None, help="Comma-separated SowKeys to delete, any number: more than KSOW_MAX_DELETE_KEYS "
-              "(default 10000; keep it no higher than the workers') are sent as several sow_delete messages of at most that many.")
+              "(default 10000), or than a live worker's, are sent as several sow_delete messages of at most that many.")
 @click.option("--data", default=None, help="Delete the record this JSON would have updated.")
 @GROUP
 @WEB_TOKEN

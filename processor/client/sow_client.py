@@ -239,8 +239,8 @@ class Client:
         When more records match than a worker answers a query with (KSOW_QUERY_MAX_ROWS), the
         delete is sent without being counted: it returns None and `last_delete_uncounted` says why.
 
-        More `keys` than KSOW_MAX_DELETE_KEYS (this client's setting: keep it no higher than the
-        workers') go as several sow_delete messages of at most that many each, in the order given
+        More `keys` than KSOW_MAX_DELETE_KEYS (the lowest of this client's and the topic's live
+        workers', `_delete_keys_cap`) go as several sow_delete messages of at most that many each, in the order given
         (a SowKey named twice is sent once), each sent and routed as one delete by keys is; the
         count and `last_delete_pending` cover them all.
         """
@@ -266,7 +266,7 @@ class Client:
             _check_keys(keys)
             keys = list(dict.fromkeys(keys))
             # A worker puts a sow_delete listing more than its limit on `.errors`: send several.
-            cap = max_delete_keys()
+            cap = self._delete_keys_cap(spec) if len(keys) > 1 else 1
             messages = [[command, (H.KEYS, ",".join(keys[i:i + cap]).encode())] for i in range(0, len(keys), cap)]
         else:
             value, record = self._encode(spec, data)
@@ -303,6 +303,17 @@ class Client:
             return len(deleted)
         finally:
             consumer.close()
+
+    def _delete_keys_cap(self, spec: SowTopic) -> int:
+        """SowKeys one sow_delete may list: this client's KSOW_MAX_DELETE_KEYS, or less when a live
+        worker of the topic announced a lower limit of its own (none found: the client's)."""
+        cap = max_delete_keys()
+        try:
+            workers = self._workers()
+        except KafkaException as exc:  # the delete's own send says whether the cluster can be reached
+            log.debug("no worker limits read (%s): sow_deletes of at most %d SowKeys", exc, cap)
+            return cap
+        return min([cap, *(w["max_delete_keys"] for w in workers if spec.topic in w["topics"] and "max_delete_keys" in w)])
 
     def _send_each(self, topic: str, value: bytes | None, key: bytes | None, messages: list[list]) -> None:
         """One message a header list, in order; when one fails after others went, the error says how

@@ -37,11 +37,15 @@ def ensure_registry(admin, replication_factor: int | None = None, min_insync_rep
     )
 
 
-def announcement(group: str, url: str, served: dict[str, list[int]], token: str | None = None) -> tuple[bytes, bytes]:
+def announcement(group: str, url: str, served: dict[str, list[int]], token: str | None = None,
+                 max_delete_keys: int | None = None) -> tuple[bytes, bytes]:
     """A worker's registry entry; with its web token, signed (`signature`), so that a client holding
-    the token sends it only to workers that hold it too."""
+    the token sends it only to workers that hold it too. `max_delete_keys` is the worker's
+    KSOW_MAX_DELETE_KEYS: a client splits a delete by keys into sow_deletes its workers all take."""
     key = f"{group}|{url}".encode()
     entry: dict = {"group": group, "url": url, "topics": served, "at": int(time.time() * 1000)}
+    if max_delete_keys is not None:
+        entry["max_delete_keys"] = max_delete_keys
     if token:
         entry["sig"] = signature(token, key, entry)
     return key, orjson.dumps(entry)
@@ -124,7 +128,8 @@ def signed(token: str, key: bytes | None, entry: dict) -> bool:
 def entry_problem(key: bytes | None, entry: object) -> str | None:
     """Why a registry entry is not one a worker writes (None when it is): a JSON object with a
     string `group`, an http(s) `url` of host and port only, `topics` mapping names to partition
-    numbers, an integer `at`, and the key `<group>|<url>` (see `announcement`)."""
+    numbers, an integer `at`, a positive integer `max_delete_keys` if any, and the key
+    `<group>|<url>` (see `announcement`)."""
     if not isinstance(entry, dict):
         return "not a JSON object"
     if not isinstance(entry.get("group"), str):
@@ -146,6 +151,9 @@ def entry_problem(key: bytes | None, entry: object) -> str | None:
             isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= _MAX_PARTITION for p in partitions
         ):
             return f"topic {str(name)[:100]!r}: partitions are not a list of partition numbers"
+    limit = entry.get("max_delete_keys", 1)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return "max_delete_keys is not a positive integer"
     if key != f"{entry['group']}|{url}".encode():
         return "key is not <group>|<url>"
     return None

@@ -375,6 +375,7 @@ def _sending_deletes(monkeypatch) -> tuple[Client, list]:
     sent = []
     monkeypatch.setattr(Client, "_require", lambda self, handle, name: None)
     monkeypatch.setattr(Client, "_send", lambda self, topic, value, key, headers: sent.append((topic, value, key, headers)))
+    monkeypatch.setattr(Client, "_workers", lambda self, fresh=False: [])
     return Client("127.0.0.1:1"), sent
 
 
@@ -398,6 +399,35 @@ def test_more_keys_than_a_worker_takes_in_one_delete_go_as_several_deletes(monke
     sent.clear()
     client.delete("orders", keys=["a", "b", "c"])  # at the limit: one message, as before
     assert len(sent) == 1
+
+
+def test_a_delete_by_keys_goes_in_sow_deletes_that_every_worker_of_the_topic_takes(monkeypatch):
+    """The client splits a delete by the lowest KSOW_MAX_DELETE_KEYS of its own and of the topic's live
+    workers' (each announces its own): a client whose limit is higher than a worker's no longer sends
+    a sow_delete that worker puts on `.errors`. Workers of other topics, or that announce no limit
+    (earlier releases), do not lower it; with no registry to read, the client's own limit holds."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    monkeypatch.setenv("KSOW_MAX_DELETE_KEYS", "4")
+    client, sent = _sending_deletes(monkeypatch)
+    workers = [{"url": "http://a:1", "topics": {"orders": [0]}, "max_delete_keys": 2},
+               {"url": "http://b:1", "topics": {"trades": [0]}, "max_delete_keys": 1},
+               {"url": "http://c:1", "topics": {"orders": [1]}}]
+    monkeypatch.setattr(Client, "_workers", lambda self, fresh=False: workers)
+    client.delete("orders", keys=["a", "b", "c", "d", "e"])
+    assert [dict(h)["sow-keys"] for _, _, _, h in sent] == [b"a,b", b"c,d", b"e"]
+    sent.clear()
+    workers[0]["max_delete_keys"] = 9
+    client.delete("orders", keys=["a", "b", "c", "d", "e"])
+    assert [dict(h)["sow-keys"] for _, _, _, h in sent] == [b"a,b,c,d", b"e"]
+
+    def unreadable(self, fresh=False):
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    sent.clear()
+    monkeypatch.setattr(Client, "_workers", unreadable)
+    client.delete("orders", keys=["a", "b", "c", "d", "e"])
+    assert len(sent) == 2
 
 
 def test_a_chunked_delete_counts_and_reports_pending_over_all_its_messages(monkeypatch):

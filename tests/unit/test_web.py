@@ -64,6 +64,9 @@ def _entry(**changes):
 
 def test_a_worker_written_entry_is_valid():
     assert entry_problem(*_entry()) is None
+    key, value = announcement("g", "http://10.0.0.5:8080", {"orders": [0, 1]}, max_delete_keys=500)
+    entry = orjson.loads(value)
+    assert entry["max_delete_keys"] == 500 and entry_problem(key, entry) is None
 
 
 @pytest.mark.parametrize(
@@ -82,6 +85,9 @@ def test_a_worker_written_entry_is_valid():
         ({"topics": {"orders": [0, -1]}}, "partitions"),
         ({"topics": {"orders": "all"}}, "partitions"),
         ({"group": "other"}, "key is not <group>|<url>"),
+        ({"max_delete_keys": 0}, "max_delete_keys"),
+        ({"max_delete_keys": "10"}, "max_delete_keys"),
+        ({"max_delete_keys": True}, "max_delete_keys"),
     ],
 )
 def test_bad_entries_say_why(changes, problem):

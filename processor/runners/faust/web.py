@@ -27,7 +27,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from faust.web import View
 
 from processor.contract.errors import ConfigError, KsowError
-from processor.contract.limits import QUERY_SPAN, query_share, query_threads
+from processor.contract.limits import QUERY_SPAN, max_delete_keys, query_share, query_threads
 from processor.core.filters import FilterError
 from processor.kafka.registry import REFRESH_S, announcement
 from processor.query.engine import QueryLimitError, QueryLimits, QueryPacer, SowQuery, run_query, through_view
@@ -383,4 +383,4 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
         if served == last["served"] and now - last["at"] < REFRESH_S:
             return
         last["served"], last["at"] = served, now
-        worker.announce(*announcement(worker.group, settings.url, served, settings.token))
+        worker.announce(*announcement(worker.group, settings.url, served, settings.token, max_delete_keys()))
