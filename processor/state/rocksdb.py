@@ -64,6 +64,15 @@ def _shared_memory() -> tuple[Cache, WriteBufferManager]:
     return _memory
 
 
+def memory_usage() -> dict[str, int]:
+    """Bytes the stores of this process use now: the block cache (the memtables charged to it
+    included) and the memtables alone; nothing before a store was opened."""
+    if _memory is None:
+        return {}
+    cache, memtables = _memory
+    return {"cache": cache.get_usage(), "memtables": memtables.get_usage()}
+
+
 def _options() -> Options:
     """A Bloom filter on every table file: a point read of a record not in a file (every new SowKey,
     and every record the cache does not hold when the SOW is larger than RocksDB's memtable, as

@@ -153,7 +153,8 @@ def test_workers_expose_prometheus_metrics(cluster):
         value = 0.0
         for w in workers:
             text = urllib.request.urlopen(f"{w['url']}/metrics", timeout=10).read().decode()
-            value += sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and f'{key}="{label}"' in line)
+            value += sum(float(line.split()[-1]) for line in text.splitlines()
+                         if line.split("{")[0].split()[0] == name and (not label or f'{key}="{label}"' in line))
         return value
 
     assert total("ksow_inputs_total", topic) == 30
@@ -162,6 +163,11 @@ def test_workers_expose_prometheus_metrics(cluster):
     # Where the loop threads' time went: they waited for inputs, applied 30 and committed them.
     for step in ("consume", "file", "apply", "prepare", "commit_wait", "store_commit"):
         assert total("ksow_loop_seconds_total", step, key="step") > 0, step
+    # Nothing left to apply; the process's own figures; the stores' memory and cache, within bounds.
+    wait_until(lambda: total("ksow_input_lag", topic) == 0)
+    assert total("process_resident_memory_bytes", "") > 0 and total("process_cpu_seconds_total", "") > 0
+    assert 0 < total("ksow_rocksdb_memory_bytes", "memtables", key="part") <= 2 * (256 << 20)
+    assert 30 <= total("ksow_cached_records", "") <= 2 * 200_000
 
 
 def test_a_delete_matching_more_than_a_worker_answers_is_sent_uncounted(kafka_bootstrap, unique_name, tmp_path):

@@ -248,3 +248,22 @@ def test_a_query_that_waited_out_its_limit_leaves_the_line_and_a_thread_handed_t
         assert await asyncio.wait_for(turns.acquire("e", 1), 0.1)
 
     asyncio.run(scenario())
+
+
+def test_input_lag_is_each_owned_input_partitions_end_less_its_committed_offset():
+    """`ksow_input_lag` by SOW topic: over the input partitions the worker owns (its `<topic>`,
+    `.delta` and `.repartition`), the end of each as of its last fetch less its committed offset;
+    a partition with nothing committed yet, or not an input, counts nothing."""
+    from types import SimpleNamespace
+
+    from confluent_kafka import TopicPartition
+
+    from processor.runners.faust.loop import SowLoop
+
+    ends = {("o", 0): 120, ("o.delta", 0): 7, ("o", 1): 50, ("t", 0): 9, ("x", 0): 400, ("o.repartition", 1): 3}
+    consumer = SimpleNamespace(assignment=lambda: [TopicPartition(t, p) for t, p in ends],
+                               get_watermark_offsets=lambda tp, cached: (0, ends[(tp.topic, tp.partition)]))
+    engine = lambda name: SimpleNamespace(spec=SimpleNamespace(topic=name))  # noqa: E731
+    loop = SimpleNamespace(consumer=consumer, _committed={("o", 0): 100, ("o.delta", 0): 7, ("o", 1): 49, ("t", 0): 4, ("x", 0): 1},
+                           _by_input={"o": (engine("o"), 0), "o.delta": (engine("o"), 1), "o.repartition": (engine("o"), 2), "t": (engine("t"), 0)})
+    assert SowLoop.input_lag(loop) == {"o": 21, "t": 5}

@@ -1422,6 +1422,26 @@ class SowLoop:
     # read-only views for the HTTP side ----------------------------------------------------------
     BUSY_S = 0.25  # a loop that did something this recently counts as busy (its cycles are at most 50 ms apart)
 
+    def input_lag(self) -> Counter:
+        """Inputs on the broker not applied and committed yet, by SOW topic, over the input partitions
+        this worker owns: each one's end as of its last fetch (librdkafka's cached watermark, the
+        last stable offset under read_committed) less its committed offset. Read by /metrics, on
+        another thread: it copies what the loop changes."""
+        committed = dict(self._committed)
+        lag: Counter = Counter()
+        try:
+            for tp in self.consumer.assignment():
+                owner = self._by_input.get(tp.topic)
+                done = committed.get((tp.topic, tp.partition))
+                if owner is None or done is None:
+                    continue
+                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                if high > done:
+                    lag[owner[0].spec.topic] += high - done
+        except RuntimeError:  # closed by a stop since: it owns nothing
+            return Counter()
+        return lag
+
     def busy(self) -> bool:
         """Whether the loop is applying inputs, or had inputs or expiries within the last BUSY_S:
         queries then give way (processor.query.engine.QueryPacer)."""

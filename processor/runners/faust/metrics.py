@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry()
+# The process's own figures, as any Prometheus client serves them: resident memory, CPU seconds, open
+# files (process_*), the Python version and its garbage collections.
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 INPUTS = Counter("ksow_inputs", "Input messages applied, by SOW topic", ["topic"], registry=REGISTRY)
 OUTPUTS = Counter("ksow_outputs", "Messages produced, by output topic", ["topic"], registry=REGISTRY)
 BATCH_SECONDS = Histogram(
@@ -34,6 +38,14 @@ EXPIRY_LATENESS = Histogram(
     ["topic"], registry=REGISTRY, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 RECORDS = Gauge("ksow_sow_records", "Records in the SOW partitions this worker serves", ["topic"], registry=REGISTRY)
+# Set when /metrics is read. A worker falling behind its publishers shows here first, by how many
+# inputs, as Kafka Streams' records-lag: each input partition it owns, its end as of the last fetch
+# (the last stable offset: a transaction's commit marker counts as one) less its committed offset.
+INPUT_LAG = Gauge("ksow_input_lag", "Input messages on the broker not yet applied and committed, by SOW topic (its input partitions this worker owns)",
+                  ["topic"], registry=REGISTRY)
+ROCKSDB_MEMORY = Gauge("ksow_rocksdb_memory_bytes", "RocksDB memory of this process's stores (KSOW_ROCKSDB_MEMORY_MB): the block cache, "
+                       "memtables charged to it included, and the memtables alone", ["part"], registry=REGISTRY)
+CACHED_RECORDS = Gauge("ksow_cached_records", "Decoded records this process's stores keep between batches (KSOW_CACHE_RECORDS)", registry=REGISTRY)
 
 
 def exposition() -> bytes:

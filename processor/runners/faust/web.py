@@ -32,6 +32,8 @@ from processor.core.filters import FilterError
 from processor.kafka.registry import REFRESH_S, announcement
 from processor.query.engine import QueryLimitError, QueryLimits, QueryPacer, SowQuery, run_query, through_view
 from processor.runners.faust import metrics
+from processor.state.base import cached_records
+from processor.state.rocksdb import memory_usage as rocksdb_memory
 from processor.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ class WorkerView(Protocol):
 
     def busy(self) -> bool:
         """Whether the worker's input loop has work now (queries then give way: QueryPacer)."""
+        ...
+
+    def input_lag(self) -> dict[str, int]:
+        """Inputs on the broker not applied and committed yet, by SOW topic (SowLoop.input_lag)."""
         ...
 
     def announce(self, key: bytes, value: bytes) -> None: ...
@@ -357,8 +363,13 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
         """Prometheus exposition of this worker's metrics."""
         if (answer := refused(view, request)) is not None:
             return answer
+        lag = worker.input_lag()
         for topic in worker.topics():
             metrics.RECORDS.labels(topic).set(sum(store.count() for store in worker.stores(topic)))
+            metrics.INPUT_LAG.labels(topic).set(lag.get(topic, 0))
+        for part, used in rocksdb_memory().items():
+            metrics.ROCKSDB_MEMORY.labels(part).set(used)
+        metrics.CACHED_RECORDS.set(cached_records())
         return view.bytes(metrics.exposition(), content_type="text/plain")
 
     last: dict = {"served": None, "at": 0.0}

@@ -203,6 +203,9 @@ class LoopView:
     def busy(self) -> bool:
         return self._loop.busy()
 
+    def input_lag(self) -> dict[str, int]:
+        return self._loop.input_lag()
+
     def announce(self, key: bytes, value: bytes) -> None:
         """Write this worker's registry entry (its own small producer: the loop's is transactional)."""
         if self._producer is None:
