@@ -614,7 +614,9 @@ _OPEN: "weakref.WeakSet[PartitionStore]" = weakref.WeakSet()
 
 def cached_records() -> int:
     """Decoded records the open stores of the process keep between batches (for /metrics)."""
-    return sum(len(store._committed) for store in list(_OPEN))
+    # A copy of the WeakSet's references in one step: iterating the WeakSet itself fails when the
+    # loop thread opens a store meanwhile (set changed size during iteration).
+    return sum(len(store._committed) for ref in list(_OPEN.data) if (store := ref()) is not None)
 
 
 CHECK_BYTES = 256 << 10  # record bytes read between two checks at most, however few the records
