@@ -505,6 +505,51 @@ def delete(bootstrap, topology, group, web_token, topic, filter_, keys, data, wa
 @connection
 @GROUP
 @WEB_TOKEN
+@click.option("--json", "as_json", is_flag=True, help="One JSON line a worker (its /status answer) instead of a table.")
+def status(bootstrap, topology, group, web_token, as_json) -> None:
+    """The group's live workers: by SOW topic the partitions each serves, its records and its input
+    lag (inputs not applied and committed yet), and its memory. Exits 1 when no worker answers."""
+    client = _client(bootstrap, topology, group, web_token)
+    with _client_errors():
+        workers = client.status()
+    if as_json:
+        for worker in workers:
+            _print(worker)
+    elif workers:
+        _status_table(workers)
+    if not any("error" not in w for w in workers):
+        _fail(f"no worker of group {client.group} answered" if workers else
+              f"no live worker in group {client.group}: none announced itself in the registry lately")
+
+
+def _status_table(workers: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("worker", "SOW topic", "partitions", "records", "input lag", "RSS", "RocksDB", "cached records")
+    table.columns[0].no_wrap = True
+    for worker in workers:
+        if "error" in worker:
+            table.add_row(worker["url"], f"[red]{worker['error']}[/red]")
+            continue
+        memory = (_mib(worker.get("rss_bytes")), _mib((worker.get("rocksdb_bytes") or {}).get("cache")), f"{worker.get('cached_records', 0):,}")
+        for n, (topic, figures) in enumerate(sorted(worker["topics"].items())):
+            table.add_row(worker["url"] if n == 0 else "", topic, ",".join(map(str, figures["partitions"])) or "-",
+                          f"{figures['records']:,}", f"{figures['input_lag']:,}", *(memory if n == 0 else ()))
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:
+        console.width = 160  # a pipe or a file: no terminal width to fit
+    console.print(table)
+
+
+def _mib(size: int | None) -> str:
+    return "?" if size is None else f"{size / 2**20:,.0f} MiB"
+
+
+@main.command()
+@connection
+@GROUP
+@WEB_TOKEN
 @click.argument("topic")
 @click.option("--filter", "filter_", default=None, help="Content filter, e.g. \"/status = 'open' AND /qty > 10\".")
 @click.option("--keys", default=None, help="Comma-separated SowKeys.")

@@ -304,6 +304,22 @@ class Client:
         finally:
             consumer.close()
 
+    def status(self) -> list[dict]:
+        """The group's live workers (from the registry) and what each says of itself at `/status`:
+        its `url`, and by SOW topic its `partitions`, `records` and `input_lag` (inputs not applied
+        and committed yet); its `rss_bytes`, `rocksdb_bytes` and `cached_records`. A worker that
+        does not answer comes with an `error` instead. Ordered by URL."""
+        workers = self._workers(fresh=True)
+        ask = lambda w: _http_json(f"{w['url']}/status", self.web_token, self._tls, timeout=10)  # noqa: E731
+        found = []
+        for worker, answer in _as_answered(workers, ask):
+            if isinstance(answer, dict) and isinstance(answer.get("topics"), dict) and "error" not in answer:
+                found.append({**answer, "url": worker["url"]})
+            else:
+                error = answer.get("error") if isinstance(answer, dict) else None
+                found.append({"url": worker["url"], "error": error or "no answer", "topics": {}})
+        return sorted(found, key=lambda w: w["url"])
+
     def _delete_keys_cap(self, spec: SowTopic) -> int:
         """SowKeys one sow_delete may list: this client's KSOW_MAX_DELETE_KEYS, or less when a live
         worker of the topic announced a lower limit of its own (none found: the client's)."""

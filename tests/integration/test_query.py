@@ -168,6 +168,14 @@ def test_workers_expose_prometheus_metrics(cluster):
     assert total("process_resident_memory_bytes", "") > 0 and total("process_cpu_seconds_total", "") > 0
     assert 0 < total("ksow_rocksdb_memory_bytes", "memtables", key="part") <= 2 * (256 << 20)
     assert 30 <= total("ksow_cached_records", "") <= 2 * 200_000
+    # `ksow status` (Client.status): each worker's partitions of the topic, together all 4, 30 records
+    # between them, nothing left to apply, and their memory.
+    status = client.status()
+    assert sorted(w["url"] for w in status) == sorted(w["url"] for w in workers) and not any("error" in w for w in status)
+    served = [p for w in status for p in w["topics"][topic]["partitions"]]
+    assert sorted(served) == [0, 1, 2, 3]
+    assert sum(w["topics"][topic]["records"] for w in status) == 30 and all(w["topics"][topic]["input_lag"] == 0 for w in status)
+    assert all(w["rss_bytes"] > 0 and w["rocksdb_bytes"]["memtables"] > 0 for w in status)
 
 
 def test_a_delete_matching_more_than_a_worker_answers_is_sent_uncounted(kafka_bootstrap, unique_name, tmp_path):

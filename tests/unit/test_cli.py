@@ -2,6 +2,7 @@
 
 import os
 
+import orjson
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -241,3 +242,31 @@ def test_relative_avro_schemas_are_read_from_the_topology_folders_parent_by_ever
     (project / "schemas" / "a.avsc").unlink()
     result = run("up", *NOWHERE, "--topology", named, "--group", "g", "--data-dir", "/nonexistent/ksow-never-created")
     assert result.exit_code == 1 and "sow[av].schema: cannot read the Avro schema" in result.output
+
+
+def test_status_shows_each_live_worker_and_fails_when_none_answers(run, monkeypatch):
+    """`ksow status`: a row a worker and SOW topic (partitions, records, input lag), its memory on
+    its first row; --json gives each worker's /status answer; no live worker, or none answering,
+    exits 1 saying so."""
+    from processor.client.sow_client import Client
+
+    answers = [
+        {"url": "http://w1:6066", "topics": {"orders": {"partitions": [0, 1], "records": 1500, "input_lag": 42}},
+         "rss_bytes": 300 << 20, "rocksdb_bytes": {"cache": 12 << 20, "memtables": 9 << 20}, "cached_records": 1500},
+        {"url": "http://w2:6066", "error": "no answer", "topics": {}},
+    ]
+    monkeypatch.setattr(Client, "status", lambda self: answers)
+    result = run("status", *NOWHERE)
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "http://w1:6066" in line)
+    for shown in ("orders", "0,1", "1,500", "42", "300 MiB", "12 MiB"):
+        assert shown in row, shown
+    assert "no answer" in next(line for line in result.output.splitlines() if "http://w2:6066" in line)
+    result = run("status", *NOWHERE, "--json")
+    assert [orjson.loads(line) for line in result.output.splitlines()] == answers
+    answers.pop(0)
+    result = run("status", *NOWHERE)
+    assert result.exit_code == 1 and "no worker of group ksow answered" in result.output
+    answers.clear()
+    result = run("status", *NOWHERE)
+    assert result.exit_code == 1 and "no live worker in group ksow" in result.output

@@ -280,8 +280,29 @@ def _json(view, body: dict, status: int = 200, headers: dict | None = None):
     return view.bytes(orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
+def worker_status(worker: WorkerView, url: str) -> dict:
+    """A worker's state for `/status` and `/metrics`: by SOW topic the partitions it serves, the
+    records in them and its input lag (inputs on the broker not applied and committed yet); its
+    resident memory, RocksDB's (`cache`, the memtables charged to it included, and `memtables`) and
+    the decoded records its stores cache."""
+    lag = worker.input_lag()
+    topics = {topic: {"partitions": worker.served(topic), "records": sum(store.count() for store in worker.stores(topic)),
+                      "input_lag": lag.get(topic, 0)} for topic in worker.topics()}
+    return {"url": url, "topics": topics, "rss_bytes": _resident_bytes(), "rocksdb_bytes": rocksdb_memory(),
+            "cached_records": cached_records()}
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
-    """Serve /sow/{topic} and /metrics, announce the worker in the registry, and configure Faust's
+    """Serve /sow/{topic}, /status and /metrics, announce the worker in the registry, and configure Faust's
     web server (bind address, TLS) from the settings."""
     app.conf.web_bind = web_bind_address(settings)
     server_log = logging.getLogger("aiohttp.server")
@@ -358,18 +379,26 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
                 return _json(self, {"error": "give the query's parameters in the body or in the URL, not in both"}, 400)
             return await sow_query(self, request, topic, params)
 
+    @app.page("/status")
+    async def status(view, request):
+        """What this worker serves and how it keeps up, as JSON (`ksow status`): by SOW topic its
+        partitions, records and input lag, and its memory (see `worker_status`)."""
+        if (answer := refused(view, request)) is not None:
+            return answer
+        return _json(view, worker_status(worker, settings.url))
+
     @app.page("/metrics")
     async def prometheus(view, request):
         """Prometheus exposition of this worker's metrics."""
         if (answer := refused(view, request)) is not None:
             return answer
-        lag = worker.input_lag()
-        for topic in worker.topics():
-            metrics.RECORDS.labels(topic).set(sum(store.count() for store in worker.stores(topic)))
-            metrics.INPUT_LAG.labels(topic).set(lag.get(topic, 0))
-        for part, used in rocksdb_memory().items():
+        now = worker_status(worker, settings.url)
+        for topic, figures in now["topics"].items():
+            metrics.RECORDS.labels(topic).set(figures["records"])
+            metrics.INPUT_LAG.labels(topic).set(figures["input_lag"])
+        for part, used in now["rocksdb_bytes"].items():
             metrics.ROCKSDB_MEMORY.labels(part).set(used)
-        metrics.CACHED_RECORDS.set(cached_records())
+        metrics.CACHED_RECORDS.set(now["cached_records"])
         return view.bytes(metrics.exposition(), content_type="text/plain")
 
     last: dict = {"served": None, "at": 0.0}
