@@ -712,9 +712,10 @@ class Client:
                         if event is not None:
                             yield feed.index, feed.out(event, mark(source, feed.index))
             for source in sources if sow else ():  # oldest change first, so that each event's bookmark covers what came before it
-                for key, (record, seq, expires) in sorted(source.state.items(), key=_by_seq):
-                    if seq is not None:
-                        source.position.advance(seq)
+                items = sorted(source.state.items(), key=_by_seq)
+                # All that was read of `.sow` (removals before the snapshot too), short of its records still to come.
+                for (key, (record, seq, expires)), later in zip(items, _still_to_come([item[1][1] for item in items])):
+                    source.position = source.read.short_of(later)
                     for feed in source.feeds:
                         event = feed.sub.snapshot(key, seq, record, expires)
                         if event is not None:
@@ -798,16 +799,22 @@ def _released(pending: dict, position: Bookmark, mark: Callable[[Bookmark], str]
     that stops in the middle resumes with the rest. `mark` writes it (a pattern's names each topic's part)."""
     events = sorted(pending.values(), key=lambda e: e.get("seq") or 0)
     pending.clear()
-    to_come: list[list[int]] = []
-    upcoming: dict[int, int] = {}  # partition -> event ID of its next event still to come
-    for event in reversed(events):
-        to_come.append(list(upcoming.values()))
-        seq = event.get("seq")
-        if seq is not None:
-            upcoming[partition_of(seq)] = seq
-    for event, later in zip(events, reversed(to_come)):
+    for event, later in zip(events, _still_to_come([e.get("seq") for e in events])):
         event["bookmark"] = mark(position.short_of(later))
         yield event
+
+
+def _still_to_come(seqs: list[int | None]) -> list[list[int]]:
+    """For each of these event IDs (in the order given to a subscriber), the event IDs of the next
+    one of each partition after it: what a bookmark after it must stop short of."""
+    to_come: list[list[int]] = []
+    upcoming: dict[int, int] = {}  # partition -> event ID of its next event still to come
+    for seq in reversed(seqs):
+        to_come.append(list(upcoming.values()))
+        if seq is not None:
+            upcoming[partition_of(seq)] = seq
+    to_come.reverse()
+    return to_come
 
 
 def _hide(entry: SowEntry, parts: tuple[str, ...] | None) -> SowEntry:

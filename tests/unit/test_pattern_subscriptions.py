@@ -150,6 +150,22 @@ def test_a_pattern_subscription_resumes_after_a_bookmark_naming_each_topic(log, 
         ("eu.orders", 1), ("us.orders", 2), ("us.orders", 4)]
 
 
+def test_a_snapshot_bookmark_takes_in_the_removals_read_before_the_records_still_to_come(log, client):
+    """The snapshot read past the tombstones of records removed before it: a subscriber that stops
+    after its last event resumes with nothing to redo, and one that stops earlier is given the
+    snapshot's later records again, not the removals before them."""
+    log.write("trades", 1, {"id": 1})  # partition 1
+    log.write("trades", 2, {"id": 2})  # partition 0
+    log.write("trades", 2, None, op="delete")
+    log.write("trades", 3, {"id": 3})  # partition 1, after the removal on partition 0
+    log.write("trades", 4, {"id": 4})
+    log.write("trades", 4, None, op="delete")
+    first, last = list(client.subscribe("trades", sow=True, timeout=0.3))
+    assert (first["record"], last["record"]) == ({"id": 1}, {"id": 3})
+    assert list(client.subscribe("trades", after=last["bookmark"], timeout=0.3)) == []
+    assert [(e["op"], e["record"]) for e in client.subscribe("trades", after=first["bookmark"], timeout=0.3)] == [("sow", {"id": 3})]
+
+
 def test_a_conflated_pattern_subscription_bookmark_stops_short_of_what_every_topic_holds(log, client):
     """An event released by one topic's conflation interval resumes before the events the other
     topics' intervals still hold: a subscriber that stops there is given those again."""
