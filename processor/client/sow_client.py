@@ -408,6 +408,9 @@ class Client:
                     # subscriber may hold it (given before the bookmark), and is told it expired.
                     since[change[1]] = (*change[:3], parsed.record, *change[4:])
                 elif after.is_new(seq):
+                    if change[3] is None and change[4] is None and change[1] in since:
+                        # The worker's removal of a version read past its instant: that version says which record went.
+                        change = (*change[:3], since[change[1]][3], *change[4:])
                     since[change[1]] = change
                 else:  # a later version before the bookmark: the subscriber has it
                     since.pop(change[1], None)

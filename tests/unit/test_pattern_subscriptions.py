@@ -4,6 +4,7 @@ topics (the real broker is in tests/integration/test_subscriptions.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 
@@ -31,12 +32,14 @@ class Log:
         self.parts: dict[str, dict[int, list[Message]]] = defaultdict(lambda: defaultdict(list))
         self.counters: dict[tuple[str, int], int] = defaultdict(int)
 
-    def write(self, topic: str, id_: int, record: dict | None, op: str = "update") -> int:
+    def write(self, topic: str, id_: int, record: dict | None, op: str = "update", expires_at: int | None = None) -> int:
         p = id_ % 2
         self.counters[(topic, p)] += 1
         seq = self.counters[(topic, p)] << 10 | p
         messages = self.parts[f"{topic}.sow"][p]
         headers = [("sow-op", op.encode()), ("sow-seq", str(seq).encode())]
+        if expires_at is not None:
+            headers.append(("sow-expires-at", str(expires_at).encode()))
         value = None if record is None else orjson.dumps(record)
         messages.append(Message(f"{topic}.sow", p, len(messages), value, key=f"k{id_}".encode(), headers=headers))
         return seq
@@ -164,6 +167,24 @@ def test_a_snapshot_bookmark_takes_in_the_removals_read_before_the_records_still
     assert (first["record"], last["record"]) == ({"id": 1}, {"id": 3})
     assert list(client.subscribe("trades", after=last["bookmark"], timeout=0.3)) == []
     assert [(e["op"], e["record"]) for e in client.subscribe("trades", after=first["bookmark"], timeout=0.3)] == [("sow", {"id": 3})]
+
+
+def test_a_resumed_expiry_without_sowkeys_says_which_record_went(log):
+    """A record that expired since the bookmark is read back as its version past its instant, then
+    the worker's expire tombstone: a subscriber without SowKeys (no_sowkey) is told which record went
+    by the key fields of that version, as for a delete (the tombstone carries no record)."""
+    client = Client("127.0.0.1:1", parse_topology({"sow": [{"topic": "quotes", "key": ["/id"], "partitions": 2, "expiration": "enabled"}]}))
+    log.write("quotes", 1, {"id": 1, "v": 0})
+    with contextlib.closing(client.subscribe("quotes", sow=True, timeout=0.3)) as events:
+        bookmark = next(events)["bookmark"]
+    due = int(time.time() * 1000) - 1000
+    for i in (1, 2):
+        log.write("quotes", i, {"id": i, "v": 1}, expires_at=due)
+        log.write("quotes", i, None, op="expire", expires_at=due)
+    log.write("quotes", 3, {"id": 3, "v": 1})
+    log.write("quotes", 3, None, op="delete")
+    resumed = list(client.subscribe("quotes", after=bookmark, no_sowkey=True, timeout=0.3))
+    assert sorted((e["op"], e["record"]["id"]) for e in resumed) == [("delete", 3), ("expire", 1), ("expire", 2)]
 
 
 def test_a_conflated_pattern_subscription_bookmark_stops_short_of_what_every_topic_holds(log, client):
