@@ -93,15 +93,19 @@ def workload(topic: str, n: int, k: int, delta_share: float, seed: int = 7):
                     record["nested"] = {"a": rng.randint(0, 100)}
             yield delta_topic, sow_keys[i], orjson.dumps(record)
         else:
-            record = {
-                "id": i,
-                "px": round(rng.uniform(1, 1000), 2),
-                "qty": rng.randint(1, 10_000),
-                "side": rng.choice("BS"),
-                "desk": rng.choice(DESKS),
-                "nested": {"a": rng.randint(0, 100), "b": rng.choice(NESTED_B)},
-            }
-            yield topic, sow_keys[i], orjson.dumps(record)
+            yield topic, sow_keys[i], orjson.dumps(full_record(rng, i))
+
+
+def full_record(rng: random.Random, i: int) -> dict:
+    """A whole record of the workload (a publish), its field values drawn from `rng`."""
+    return {
+        "id": i,
+        "px": round(rng.uniform(1, 1000), 2),
+        "qty": rng.randint(1, 10_000),
+        "side": rng.choice("BS"),
+        "desk": rng.choice(DESKS),
+        "nested": {"a": rng.randint(0, 100), "b": rng.choice(NESTED_B)},
+    }
 
 
 def workload_topics(topic: str, partitions: int = PARTITIONS) -> dict[str, tuple[int, dict[str, str]]]:
