@@ -19,14 +19,14 @@ from processor.contract.errors import BatchAborted, InputError
 from processor.contract.limits import delete_filter_seconds
 from processor.contract.types import Command, InputMessage, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
-from processor.core.changelog import MalformedSowMessage, parse_sow_message
+from processor.core.changelog import MalformedSowMessage, sow_change
 from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
 from processor.engine.partition import DeleteBudget, PartitionState, SowPartition
 from processor.engine.views import ViewProcessor, views_of
-from processor.state.base import IndexSpec
+from processor.state.base import IndexSpec, PartitionStore
 from processor.topology import SowTopic, View
 
 log = logging.getLogger("ksow.engine")
@@ -80,19 +80,39 @@ class SowTopicEngine:
         for view in self.views:
             view.forget(p)
 
-    def restore(self, p: int, state: PartitionState, key: bytes | None, value: bytes | None, headers, timestamp: int) -> None:
+    def restore(self, p: int, state: PartitionStore, key: bytes | None, value: bytes | None, headers, timestamp: int) -> None:
         """Apply one `<topic>.sow` record to partition p's state (replaying the changelog). Raises
         MalformedSowMessage on a record that is not a SOW record (the runner skips it)."""
-        change = parse_sow_message(self.codec, key, value, headers)
-        seq = change.seq or 0
-        if not 0 <= seq < _MAX_RESTORED_SEQ:
-            raise MalformedSowMessage(f"{H.SEQ} {seq} is not an event ID a worker writes (0 to 2**62)")
-        if seq:
-            _resume_after(state, seq)
-        if change.record is None:
-            state.remove(change.key)
-        else:
-            state.put(change.key, SowRecord(change.record, seq, change.expires_at, timestamp))
+        for _, exc in self.restore_many(p, state, ((key, value, headers, timestamp),)):
+            raise exc
+
+    def restore_many(self, p: int, state: PartitionStore, changes: Iterable[tuple]) -> list[tuple[int, MalformedSowMessage]]:
+        """Apply `<topic>.sow` records, (key, value, headers, timestamp) each, in order to partition
+        p's state (replaying the changelog): a record's event ID is the partition's next one at
+        least, a tombstone removes its record, any other record is put with the message's instant
+        as its update instant. Returns (place in `changes`, why) of the records that are not SOW
+        records, passed over (the runner says so and goes on)."""
+        parse, codec, record = sow_change, self.codec, SowRecord
+        skipped: list[tuple[int, MalformedSowMessage]] = []
+        writes: list[tuple[str, SowRecord | None]] = []
+        last = 0  # the largest event ID
+        for n, (key, value, headers, timestamp) in enumerate(changes):
+            try:
+                _, sow_key, seq, expires_at, data = parse(codec, key, value, headers)
+                if seq is None:
+                    seq = 0
+                elif not 0 <= seq < _MAX_RESTORED_SEQ:
+                    raise MalformedSowMessage(f"{H.SEQ} {seq} is not an event ID a worker writes (0 to 2**62)")
+            except MalformedSowMessage as exc:  # written by anything else: it must not stop restore
+                skipped.append((n, exc))
+                continue
+            if seq > last:
+                last = seq
+            writes.append((sow_key, None if data is None else record(data, seq, expires_at, timestamp)))
+        if last:
+            _resume_after(state, last)
+        state.put_many(writes)
+        return skipped
 
     def resume_events(self, state: PartitionState, headers) -> None:
         """Take the event ID of one of this topic's own output messages (the last `.diff` events of a

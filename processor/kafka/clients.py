@@ -354,17 +354,28 @@ def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], idle_timeou
     KSOW_READ_IDLE_TIMEOUT, 60 s) without a message or an end-of-partition event of a partition
     still being read. Time the caller spends between messages does not count.
     """
+    for batch in read_batches(consumer, ends, idle_timeout):
+        yield from batch
+
+
+def read_batches(consumer: Consumer, ends: dict[tuple[str, int], int], idle_timeout: float | None = None,
+                 size: int = 1000) -> Iterator[list]:
+    """`read_until`'s messages as the lists one `consume` of up to `size` hands out (none empty):
+    a reader that handles a batch at a time (a restore) makes no generator step a message."""
     idle = read_idle_timeout() if idle_timeout is None else idle_timeout
     remaining = {tp: end for tp, end in ends.items() if end > 0}
     progress_at = time.monotonic()
     while remaining:
         progressed = False
-        for msg in consumer.consume(1000, 0.2):
+        batch = []
+        for msg in consumer.consume(size, 0.2):
             tp = (msg.topic(), msg.partition())
             end = remaining.get(tp)
             err = msg.error()
             if err is not None:
                 if err.code() != KafkaError._PARTITION_EOF:
+                    if batch:  # what came before the error is handed out first, as one by one
+                        yield batch
                     raise KafkaException(err)
                 if end is not None:
                     progressed = True
@@ -374,9 +385,11 @@ def read_until(consumer: Consumer, ends: dict[tuple[str, int], int], idle_timeou
             if end is None or msg.offset() >= end:
                 continue
             progressed = True
-            yield msg
+            batch.append(msg)
             if msg.offset() + 1 >= end:
                 remaining.pop(tp)
+        if batch:
+            yield batch
         now = time.monotonic()
         if progressed:
             progress_at = now

@@ -76,6 +76,8 @@ class KeyValueBackend(Protocol):
 
     def get(self, key: bytes) -> bytes | None: ...
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...
+
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]: ...
 
     def batch(self) -> WriteBatch: ...
@@ -476,6 +478,24 @@ class PartitionStore:
                 previous = self._committed[key] = self._load(key)
         self._size_delta += (record is not None) - (previous is not None)
         staged[key] = record
+
+    def put_many(self, writes: list[tuple[str, SowRecord | None]]) -> None:
+        """stage() each (SowKey, record or None: a removal) in order, the committed versions of the
+        records neither staged nor cached read in one multi-get (a restore's batch of changelog
+        records, mostly of SowKeys the store has not seen)."""
+        staged, committed = self._staged, self._committed
+        unread = list({key for key, _ in writes if key not in staged and key not in committed})
+        if unread:
+            for key, raw in zip(unread, self.backend.get_many([_REC + key.encode() for key in unread])):
+                committed[key] = None if raw is None else decode_record(raw)
+        delta = 0
+        for key, record in writes:  # stage(key, record), the previous version cached now
+            previous = staged.get(key, _ABSENT)
+            if previous is _ABSENT:
+                previous = committed[key]
+            delta += (record is not None) - (previous is not None)
+            staged[key] = record
+        self._size_delta += delta
 
     def set_meta(self, name: str, value: int) -> None:
         self._meta[name] = value

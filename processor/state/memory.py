@@ -14,6 +14,10 @@ class MemoryBackend:
     def get(self, key: bytes) -> bytes | None:
         return self._data.get(key)
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        get = self._data.get
+        return [get(key) for key in keys]
+
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
         # Materialise the keys first: callers may stage writes while iterating, and a reader in
         # another thread (an HTTP query) may see a commit remove a key meanwhile.

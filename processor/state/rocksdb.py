@@ -25,6 +25,9 @@ class RocksDBBackend:
     def get(self, key: bytes) -> bytes | None:
         return self._db.get(key)
 
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return self._db.get(keys)  # one MultiGet
+
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
         # RocksDB stops at the bound itself: no key comparison in Python per item. The iterator
         # reads the bound from `options` without holding it, so this frame keeps it alive.

@@ -1,7 +1,7 @@
 """Parsing `<topic>.sow` messages: anything may write there, so every defect is a MalformedSowMessage."""
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from processor.contract.errors import InputError
@@ -56,3 +56,25 @@ def test_any_bytes_parse_or_are_malformed(key, value, headers):
 def test_a_sow_record_whose_headers_cannot_be_read_is_malformed():
     with pytest.raises(MalformedSowMessage, match="a header name is not UTF-8 text"):
         parse_sow_message(JsonCodec(), b"k", b'{"id": 1}', UnreadableHeaders())
+
+
+@given(st.integers(-(2**64), 2**64), st.sampled_from(["sow-seq", "sow-expires-at"]), st.sampled_from(["", "0", "+", " "]))
+@example(2**63 - 1, "sow-seq", "")
+@example(2**63, "sow-seq", "")
+@example(10**18, "sow-seq", "0")
+@example(10**17, "sow-seq", "0")
+@example(-(2**63), "sow-expires-at", "")
+@example(-(2**63) - 1, "sow-expires-at", "")
+def test_integer_headers_are_read_exactly_in_64_bits(number, name, prefix):
+    """A header of up to 19 digits is read without decoding it first (`_integer`'s quick path): it
+    must take and refuse what the checked path does (2**63 has 19 digits)."""
+    text = prefix + str(number) if number >= 0 else str(number)
+    digits = text.removeprefix("-")
+    exact = digits.isdigit() and len(digits) <= 19 and -(2**63) <= number < 2**63  # the rule before the quick path
+    raw = text.encode()
+    try:
+        parsed = parse_sow_message(CODEC, b"k", None, [(name, raw)])
+    except MalformedSowMessage:
+        assert not exact
+        return
+    assert exact and (parsed.seq if name == "sow-seq" else parsed.expires_at) == number

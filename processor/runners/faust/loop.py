@@ -51,10 +51,9 @@ from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, ConfigError
 from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
-from processor.core.changelog import MalformedSowMessage
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import end_offsets, message_headers, make_admin, make_consumer, make_producer, read_until, topic_incarnation
+from processor.kafka.clients import end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
 from processor.runners.faust import metrics
 from processor.state.base import PartitionStore, open_partition_store
 from processor.state.keyformat import check_key_format
@@ -210,6 +209,9 @@ class Task:
     def name(self) -> tuple[str, int]:
         return (self.engine.spec.topic, self.p)
 
+
+_RESTORE_BATCH = 1000  # `.sow` records a restore reads, parses and stages at once
+_RESTORE_COMMIT = 20_000  # records a restore reads between two commits of the store (with its position)
 
 _KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut message keeps besides half its value
 
@@ -1343,16 +1345,21 @@ class SowLoop:
             count = 0
             if position < high:
                 consumer.assign([TopicPartition(topic, task.p, position)])
-                for msg in read_until(consumer, {(topic, task.p): high}):
-                    try:
-                        task.engine.restore(task.p, store, msg.key(), msg.value(), message_headers(msg), msg.timestamp()[1])
-                    except MalformedSowMessage as exc:  # written by anything else: it must not stop restore
-                        log.warning("skipped %s[%d]@%d: not a SOW record (%s)", topic, task.p, msg.offset(), exc)
+                restore, p, headers_of = task.engine.restore_many, task.p, message_headers
+                uncommitted = 0
+                # A batch of what one consume hands out at a time: parsed, and its records' committed
+                # versions read, together (the records of a SOW written in order are mostly new).
+                for batch in read_batches(consumer, {(topic, p): high}, size=_RESTORE_BATCH):
+                    skipped = restore(p, store, [(m.key(), m.value(), headers_of(m), m.timestamp()[1]) for m in batch])
+                    for n, exc in skipped:  # written by anything else: it must not stop restore
+                        log.warning("skipped %s[%d]@%d: not a SOW record (%s)", topic, p, batch[n].offset(), exc)
                         metrics.CHANGELOG_SKIPPED.inc()
-                    count += 1
-                    if count % 20000 == 0:
-                        store.set_meta("changelog", msg.offset() + 1)
+                    count += len(batch)
+                    uncommitted += len(batch)
+                    if uncommitted >= _RESTORE_COMMIT:
+                        store.set_meta("changelog", batch[-1].offset() + 1)
                         store.commit()
+                        uncommitted = 0
             store.set_meta("changelog", high)
             if incarnation:
                 store.set_meta("changelog_incarnation", incarnation)
