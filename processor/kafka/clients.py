@@ -318,6 +318,23 @@ def topic_incarnation(admin: AdminClient, topic: str, timeout: float = 30.0) -> 
     return (bits & ((1 << 63) - 1)) or (1 if bits else 0)  # a zero ID: none
 
 
+DELETE_RETENTION_MS = 86_400_000  # Kafka's default delete.retention.ms
+
+
+def delete_retention_ms(admin: AdminClient, topic: str, timeout: float = 30.0) -> int:
+    """How long the log cleaner keeps the tombstones of compacted `topic` (its delete.retention.ms),
+    or Kafka's default when the configuration cannot be read."""
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    try:
+        futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)], request_timeout=timeout)
+        (future,) = futures.values()
+        return int(future.result(timeout)["delete.retention.ms"].value)
+    except (KafkaException, KeyError, ValueError) as exc:
+        log.warning("cannot read delete.retention.ms of %s (%s): taking Kafka's default", topic, exc)
+        return DELETE_RETENTION_MS
+
+
 def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
     """(low, high) watermarks per partition, retrying the transient errors of freshly created topics."""
     out = {}

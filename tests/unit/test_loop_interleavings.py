@@ -131,6 +131,33 @@ def test_a_changelog_reseed_whose_transaction_aborts_is_done_again(monkeypatch, 
     assert loop.tasks[("orders", 0)].store.meta("changelog") == 3  # the end of what it wrote
 
 
+@pytest.mark.parametrize("read_ago_ms, kept", [(3_600_000, 3), (2 * 86_400_000, 0)])
+def test_a_store_that_read_its_changelog_longer_ago_than_tombstones_are_kept_is_rebuilt(monkeypatch, tmp_path, read_ago_ms, kept):
+    """A store parked (on disk, or in a worker) while other workers owned its partition replays
+    `.sow` from its position when it comes back. Past delete.retention.ms (a day by default) the log
+    cleaner may have removed the tombstones of records deleted meanwhile, and the replay would keep
+    those records: such a store is rebuilt from the start of the log instead (here a log whose
+    records were all cleaned away). One that read it an hour ago keeps its records."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    for i in range(3):
+        store.put(spec.key_spec.sow_key({"id": i}), SowRecord({"id": i}, (i + 1) << 10, None, 1_000 + i))
+    store.set_meta("changelog", 10)
+    store.set_meta("changelog_incarnation", 7)  # the log the scripted admin names: not recreated
+    store.set_meta("changelog_at", now_ms() - read_ago_ms)
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {p: (0, 10) if topic == "orders.sow" else (0, 0) for p in partitions})
+    monkeypatch.setattr(loop_module, "read_until", lambda consumer, ends: iter(()))  # offsets 0-9 all cleaned away
+    assign(loop, consumer)
+    loop.cycle()
+    store = loop.tasks[("orders", 0)].store
+    assert store.count() == kept
+    assert store.meta("changelog") == 10
+
+
 def test_a_producer_that_could_not_be_replaced_is_replaced_at_the_next_abort(monkeypatch, tmp_path):
     """A failed abort needs a new transactional producer; when making it fails too (the broker is
     away), the next abort must try again instead of keeping the one that cannot begin a transaction."""

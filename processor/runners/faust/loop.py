@@ -53,7 +53,7 @@ from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
+from processor.kafka.clients import delete_retention_ms, end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
 from processor.runners.faust import metrics
 from processor.state.base import PartitionStore, open_partition_store
 from processor.state.keyformat import check_key_format
@@ -389,6 +389,8 @@ class _Batch:
 _CONSUME_SECONDS, _FILE_SECONDS, _APPLY_SECONDS, _SWEEP_SECONDS, _PREPARE_SECONDS, _COMMIT_WAIT_SECONDS, _STORE_COMMIT_SECONDS = (
     metrics.LOOP_SECONDS.labels(step) for step in metrics.LOOP_STEPS)
 
+_CHANGELOG_AT = "changelog_at"  # when (ms) the store last was where its changelog position says: read to there, or owned
+_CHANGELOG_AT_REFRESH_MS = 60_000  # how stale an owned store lets that get (and the margin taken off delete.retention.ms)
 _DIFF_TAIL = 16  # `.diff` offsets a transient partition's new owner reads back for the last event ID handed out
 _SAMPLE = 1024  # a `.sow` delivery report in this many of a partition's records (and its first of a cycle)
 
@@ -1156,6 +1158,7 @@ class SowLoop:
             _kill("store")
         ends = positions.ends(out.changelog)
         writing = time.perf_counter()
+        now_ms = time.time_ns() // 1_000_000
         for name, task in self.tasks.items():
             store = task.store
             if store is None:
@@ -1163,6 +1166,9 @@ class SowLoop:
             position = ends.get((task.engine.spec.sow_topic, task.p))
             if position is not None and position > store.meta("changelog"):
                 store.set_meta("changelog", position)
+                store.set_meta(_CHANGELOG_AT, now_ms)
+            elif now_ms - store.meta(_CHANGELOG_AT, now_ms) > _CHANGELOG_AT_REFRESH_MS:
+                store.set_meta(_CHANGELOG_AT, now_ms)  # owned, so nothing it has not read was written past its position
             if store.dirty:
                 store.commit(prepared.get(name))
         _STORE_COMMIT_SECONDS.inc(time.perf_counter() - writing)
@@ -1339,7 +1345,7 @@ class SowLoop:
                             "keeping the store and re-seeding the changelog", topic, task.p, position, high)
                 metrics.RESEEDS.inc()
                 position = low
-            elif position < low:  # compacted past the store: rebuild from the start of the log
+            elif position < low or self._tombstones_cleaned(store, topic, task.p):  # rebuild from the start of the log
                 store.clear()
                 position = low
             count = 0
@@ -1361,6 +1367,7 @@ class SowLoop:
                         store.commit()
                         uncommitted = 0
             store.set_meta("changelog", high)
+            store.set_meta(_CHANGELOG_AT, time.time_ns() // 1_000_000)
             if incarnation:
                 store.set_meta("changelog_incarnation", incarnation)
             if not recreated:
@@ -1368,6 +1375,22 @@ class SowLoop:
             return count, recreated and store.count() > 0
         finally:
             consumer.close()
+
+    def _tombstones_cleaned(self, store: PartitionStore, topic: str, p: int) -> bool:
+        """Whether the log cleaner may have removed tombstones past the store's position: it read
+        the changelog up to there longer ago than the topic's delete.retention.ms (a store parked
+        on disk, or in a worker, while other workers owned its partition). Replayed from its
+        position it would keep the records those tombstones removed; rebuilt from the start of the
+        log it does not. A store that never noted when it read (an earlier release) is kept."""
+        at = store.meta(_CHANGELOG_AT)
+        if not at or store.meta("changelog") == 0:
+            return False
+        age, retention = time.time_ns() // 1_000_000 - at, delete_retention_ms(self._admin, topic)
+        if age < retention - _CHANGELOG_AT_REFRESH_MS:
+            return False
+        log.warning("%s[%d]: the store read it %d s ago, more than its delete.retention.ms (%d s) less a minute allows: "
+                    "rebuilding it from the start of the log", topic, p, age // 1000, retention // 1000)
+        return True
 
     def _resume_events(self, task: Task, store: PartitionStore) -> None:
         """A transient topic keeps no SOW, so no changelog says how far its event IDs went: its counter
