@@ -150,12 +150,43 @@ def test_a_store_that_read_its_changelog_longer_ago_than_tombstones_are_kept_is_
     store.close()
     loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
     monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {p: (0, 10) if topic == "orders.sow" else (0, 0) for p in partitions})
-    monkeypatch.setattr(loop_module, "read_until", lambda consumer, ends: iter(()))  # offsets 0-9 all cleaned away
+    monkeypatch.setattr(loop_module, "read_batches", lambda consumer, ends, size: iter(()))  # offsets 0-9 all cleaned away
     assign(loop, consumer)
     loop.cycle()
     store = loop.tasks[("orders", 0)].store
     assert store.count() == kept
     assert store.meta("changelog") == 10
+
+
+def test_an_owned_store_of_a_quiet_topic_notes_it_is_current_and_is_not_rebuilt(monkeypatch, tmp_path):
+    """A partition owned with no commit for longer than delete.retention.ms (a quiet topic) is still
+    current: no other worker wrote its changelog. Its store notes so every minute between
+    transactions, so the next rebalance replays it from its position instead of rebuilding it."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    for i in range(3):
+        store.put(spec.key_spec.sow_key({"id": i}), SowRecord({"id": i}, (i + 1) << 10, None, 1_000 + i))
+    store.set_meta("changelog", 10)
+    store.set_meta("changelog_incarnation", 7)
+    store.set_meta("changelog_at", now_ms())
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {p: (0, 10) if topic == "orders.sow" else (0, 0) for p in partitions})
+    monkeypatch.setattr(loop_module, "read_batches", lambda consumer, ends, size: iter(()))
+    assign(loop, consumer)
+    loop.cycle()
+    owned = loop.tasks[("orders", 0)].store
+    owned.set_meta("changelog_at", now_ms() - 2 * 86_400_000)  # its last commit, two days ago
+    owned.commit()
+    loop._noted_at = 0  # a minute has passed since the last note
+    loop.cycle()  # no input: between transactions
+    assert now_ms() - owned.meta("changelog_at") < 60_000
+    revoke(loop, consumer)
+    assign(loop, consumer)
+    loop.cycle()
+    assert loop.tasks[("orders", 0)].store.count() == 3  # replayed from its position, not rebuilt
 
 
 def test_a_producer_that_could_not_be_replaced_is_replaced_at_the_next_abort(monkeypatch, tmp_path):

@@ -487,6 +487,7 @@ class SowLoop:
         self._worked = 0.0  # time.monotonic() of the last cycle that consumed, applied or expired something
         self._working = False  # the cycle running now consumed inputs (busy())
         self._in_txn = False
+        self._noted_at = 0  # when (ms) the owned stores last noted they are current (_note_current)
         self._open: _Batch | None = None  # a batch left open by the last cycle (commit interval)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
@@ -740,6 +741,7 @@ class SowLoop:
             else:
                 self._open = out
         self._flow_control()
+        self._note_current()
         self._working = False
 
     def _file(self, messages) -> None:
@@ -1167,8 +1169,6 @@ class SowLoop:
             if position is not None and position > store.meta("changelog"):
                 store.set_meta("changelog", position)
                 store.set_meta(_CHANGELOG_AT, now_ms)
-            elif now_ms - store.meta(_CHANGELOG_AT, now_ms) > _CHANGELOG_AT_REFRESH_MS:
-                store.set_meta(_CHANGELOG_AT, now_ms)  # owned, so nothing it has not read was written past its position
             if store.dirty:
                 store.commit(prepared.get(name))
         _STORE_COMMIT_SECONDS.inc(time.perf_counter() - writing)
@@ -1375,6 +1375,20 @@ class SowLoop:
             return count, recreated and store.count() > 0
         finally:
             consumer.close()
+
+    def _note_current(self) -> None:
+        """Every minute, between transactions, note in each owned store that it is where its position
+        says now (`_CHANGELOG_AT`): no other worker writes its partition's changelog while this one
+        owns it. A store of a partition that had no commit for a day (a quiet topic) is then not
+        taken for one left behind, and rebuilt, at its next rebalance or restart."""
+        now_ms = time.time_ns() // 1_000_000
+        if self._open is not None or self._in_txn or now_ms - self._noted_at < _CHANGELOG_AT_REFRESH_MS:
+            return
+        self._noted_at = now_ms
+        for task in self.tasks.values():
+            if task.restored and task.store is not None and task.engine.spec.persistence is not Persistence.TRANSIENT:
+                task.store.set_meta(_CHANGELOG_AT, now_ms)
+                task.store.commit()  # its metadata alone: nothing is staged between transactions
 
     def _tombstones_cleaned(self, store: PartitionStore, topic: str, p: int) -> bool:
         """Whether the log cleaner may have removed tombstones past the store's position: it read
