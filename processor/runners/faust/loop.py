@@ -488,6 +488,8 @@ class SowLoop:
         self._working = False  # the cycle running now consumed inputs (busy())
         self._in_txn = False
         self._noted_at = 0  # when (ms) the owned stores last noted they are current (_note_current)
+        self._lag: Counter = Counter()  # input lag by SOW topic, as last measured (_measure_lag)
+        self._lag_at = 0.0
         self._open: _Batch | None = None  # a batch left open by the last cycle (commit interval)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ksow-commit")  # SowLoop._commit
         self._applying: tuple[SowTopicEngine, list[InputMessage], dict] | None = None  # the chunk being applied (checkpoints)
@@ -742,6 +744,7 @@ class SowLoop:
                 self._open = out
         self._flow_control()
         self._note_current()
+        self._measure_lag()
         self._working = False
 
     def _file(self, messages) -> None:
@@ -1468,23 +1471,31 @@ class SowLoop:
 
     def input_lag(self) -> Counter:
         """Inputs on the broker not applied and committed yet, by SOW topic, over the input partitions
-        this worker owns: each one's end as of its last fetch (librdkafka's cached watermark, the
-        last stable offset under read_committed) less its committed offset. Read by /metrics, on
-        another thread: it copies what the loop changes."""
-        committed = dict(self._committed)
+        this worker owns, as the loop last measured them (`_measure_lag`, at most a second ago).
+        Read by /metrics and /status, on another thread."""
+        return self._lag
+
+    def _measure_lag(self) -> None:
+        """Each owned input partition's end as of its last fetch (librdkafka's cached watermark, the
+        last stable offset under read_committed) less its committed offset, summed by SOW topic,
+        once a second. On the loop thread: with confluent-kafka 2.16 a call on the consumer from
+        another thread waits for the loop's `consume` to let go of it, which it may not do for
+        seconds (/metrics timed out after 10 s)."""
+        mono = time.monotonic()
+        if mono < self._lag_at + 1.0:
+            return
+        self._lag_at = mono
+        committed, watermarks = self._committed, self.consumer.get_watermark_offsets
         lag: Counter = Counter()
-        try:
-            for tp in self.consumer.assignment():
-                owner = self._by_input.get(tp.topic)
-                done = committed.get((tp.topic, tp.partition))
-                if owner is None or done is None:
+        for task in self.tasks.values():
+            for topic, p in task.inputs:
+                done = committed.get((topic, p))
+                if done is None:
                     continue
-                _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                _, high = watermarks(TopicPartition(topic, p), cached=True)
                 if high > done:
-                    lag[owner[0].spec.topic] += high - done
-        except RuntimeError:  # closed by a stop since: it owns nothing
-            return Counter()
-        return lag
+                    lag[task.engine.spec.topic] += high - done
+        self._lag = lag  # replaced whole: a reader never sees it half made
 
     def busy(self) -> bool:
         """Whether the loop is applying inputs, or had inputs or expiries within the last BUSY_S:
