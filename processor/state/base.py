@@ -488,14 +488,9 @@ class PartitionStore:
         if unread:
             for key, raw in zip(unread, self.backend.get_many([_REC + key.encode() for key in unread])):
                 committed[key] = None if raw is None else decode_record(raw)
-        delta = 0
-        for key, record in writes:  # stage(key, record), the previous version cached now
-            previous = staged.get(key, _ABSENT)
-            if previous is _ABSENT:
-                previous = committed[key]
-            delta += (record is not None) - (previous is not None)
-            staged[key] = record
-        self._size_delta += delta
+        stage = self.stage
+        for key, record in writes:  # each previous version staged or cached now: no read of its own
+            stage(key, record)
 
     def set_meta(self, name: str, value: int) -> None:
         self._meta[name] = value
