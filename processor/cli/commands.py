@@ -175,14 +175,15 @@ def _loop_settings(guarantee: str | None, static: bool):
         _fail(str(exc))
 
 
-def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False):
+def _worker(bootstrap: str, topology: str | None, group: str, data_dir: str | None, web, guarantee: str | None = None, static: bool = False,
+            stores_dir: str | None = None):
     from processor.runners.faust.worker import SowWorker
 
     topo = _topology_for_worker(topology)
     topology_dir = schema_base(topology)
     settings = _loop_settings(guarantee, static)
     return SowWorker(topo, bootstrap, group=group, data_dir=Path(data_dir) if data_dir else None, topology_dir=topology_dir,
-                     settings=settings, web=web)
+                     settings=settings, web=web, stores_dir=Path(stores_dir) if stores_dir else None)
 
 
 WORKER_OPTIONS = [
@@ -198,8 +199,9 @@ WORKER_OPTIONS = [
                  default="exactly_once", show_default=True,
                  help="exactly_once: outputs and input offsets commit in one Kafka transaction; at_least_once: no transactions."),
     click.option("--workers", type=click.IntRange(1, 256), envvar="KSOW_WORKERS", default=1, show_default=True,
-                 help="Worker processes to run on this host, each a member of the group with its own stores "
-                      "(<data-dir>/worker-<i>) and HTTP port (--web-port + i): a worker's loop uses one core."),
+                 help="Worker processes to run on this host, each a member of the group with its HTTP port (--web-port + i); "
+                      "they share the stores of --data-dir, so a partition moving between them, or from N workers to M, "
+                      "replays only what changed: a worker's loop uses one core."),
     click.option("--static-membership", "static", is_flag=True, envvar="KSOW_STATIC_MEMBERSHIP",
                  help="Join the group as this worker's stable identity (host and data folder): a restart within the "
                       "session timeout takes its partitions back without a rebalance; a stopped worker's partitions "
@@ -253,7 +255,9 @@ def _worker_options(fn):
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
 @click.option("--master", envvar="KSOW_SPARK_MASTER", default="local[*]", show_default=True, help="spark engine: the Spark master.")
 @click.option("--trigger", default="1 second", show_default=True, help="spark engine: micro-batch interval (a Spark processing-time trigger).")
-def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, workers, static, loglevel, engine, checkpoint_dir, master, trigger) -> None:
+@click.option("--stores-dir", hidden=True, default=None)  # a pool's worker: the pool's folder, whose stores its workers share
+def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_token, web_cert, web_key, guarantee, workers, static, loglevel, engine, checkpoint_dir, master, trigger,
+       stores_dir) -> None:
     """Run a worker for the topology (starting the embedded broker when no bootstrap is given).
 
     `--engine spark` maintains the same SOW topics with Spark Structured Streaming instead of Faust
@@ -278,10 +282,17 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
         _ports_free(web, range(web_port + 1, web_port + workers))
     _loop_settings(guarantee, static)  # what a worker would refuse stops it (or the pool) before it connects
     if workers > 1:
-        from processor.runners.faust.worker import default_data_dir
+        from processor.contract.errors import ConfigError
+        from processor.runners.faust.stores import adopt_worker_stores
+        from processor.runners.faust.worker import default_data_dir, hold_data_dir
 
         base = Path(data_dir) if data_dir else default_data_dir(group, _topology_for_worker(topology))
         _usable_folder(base)
+        try:
+            pool_lock = hold_data_dir(base)  # for the pool's life: no single worker on its stores beside it
+        except ConfigError as exc:
+            _fail(str(exc))
+        adopt_worker_stores(base)
     elif data_dir:
         _usable_folder(Path(data_dir))
     with _bootstrap_or_embedded(bootstrap) as address:
@@ -292,7 +303,10 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
             from processor.runners.faust.pool import WorkerPool
 
             click.echo(f"ksow: {workers} worker processes, group {group}, bootstrap {address}, {guarantee}", err=True)
-            status = WorkerPool(workers, argv, env, say=lambda line: click.echo(f"ksow: {line}", err=True)).run()
+            try:
+                status = WorkerPool(workers, argv, env, say=lambda line: click.echo(f"ksow: {line}", err=True)).run()
+            finally:
+                pool_lock.close()
             if status:
                 sys.exit(status)
             return
@@ -302,7 +316,7 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
 
         _reachable_or_exit(address)
         try:
-            worker = _worker(address, topology, group, data_dir, web, guarantee, static)
+            worker = _worker(address, topology, group, data_dir, web, guarantee, static, stores_dir)
         except KafkaException as exc:  # the transactional producer's start: the cluster did not answer in time
             _startup_failed(f"Kafka at {address}: {exc.args[0].str() if exc.args else exc}")
         except ConfigError as exc:
@@ -354,9 +368,11 @@ def _startup_failed(message: str, status: int | None = None) -> NoReturn:
 
 
 def _pool_worker_argv(address, topology, group, base: Path, web_port, web_host, web_bind, guarantee, static, loglevel, i: int) -> list[str]:
-    """The command line of worker i of `ksow up --workers N`: one worker, its stores under `base`, its port."""
+    """The command line of worker i of `ksow up --workers N`: one worker, its own folder in `base`
+    (its lock and identity), the stores it shares with the others in `base`, its port."""
     argv = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", address, "--group", group,
-            "--data-dir", str(base / f"worker-{i}"), "--workers", "1", "--processing-guarantee", guarantee, "--loglevel", loglevel]
+            "--data-dir", str(base / f"worker-{i}"), "--stores-dir", str(base), "--workers", "1", "--processing-guarantee", guarantee,
+            "--loglevel", loglevel]
     if topology:
         argv += ["--topology", topology]
     if web_port:

@@ -652,6 +652,14 @@ def _checked(items: Iterator, mask: int, check, out: list) -> Iterator:
     check(len(out))
 
 
+class StoreInUse(Exception):
+    """Another process (or this one) has the store open: a store serves one owner at a time."""
+
+    def __init__(self, path: str):
+        super().__init__(f"the store {path} is open in another process")
+        self.path = path
+
+
 def open_partition_store(kind: str, path: str | None, indexes: IndexSpec) -> PartitionStore:
     """A store for one partition: kind 'rocksdb' (a folder at path) or 'memory'."""
     if kind == "rocksdb":

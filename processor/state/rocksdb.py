@@ -8,6 +8,7 @@ from typing import Iterator
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
 from processor.contract.limits import rocksdb_memory_bytes
+from processor.state.base import StoreInUse
 
 BLOOM_BITS_PER_KEY = 10  # ~1% false positives
 MEMTABLE_BLOOM_RATIO = 0.02  # of the write buffer (64 MiB): 1.3 MiB a memtable, ~10 bits a key of its smallest entries
@@ -20,7 +21,12 @@ class RocksDBBackend:
         self._db = self._open()
 
     def _open(self) -> Rdict:
-        return Rdict(self.path, _options())
+        try:
+            return Rdict(self.path, _options())
+        except Exception as exc:  # rocksdict raises a bare Exception with RocksDB's status text
+            if _held(exc):
+                raise StoreInUse(self.path) from None
+            raise
 
     def get(self, key: bytes) -> bytes | None:
         return self._db.get(key)
@@ -48,6 +54,23 @@ class RocksDBBackend:
 
     def close(self) -> None:
         self._db.close()
+
+
+def destroy(path: str | Path) -> None:
+    """Delete the store at path, unless a process (this one included) has it open: StoreInUse."""
+    try:
+        Rdict.destroy(str(path), Options(raw_mode=True))
+    except Exception as exc:
+        if _held(exc):
+            raise StoreInUse(str(path)) from None
+        raise
+
+
+def _held(exc: Exception) -> bool:
+    """RocksDB's answer when another process ("While lock file: ...: Resource temporarily
+    unavailable") or this one ("lock hold by current process") has the store open."""
+    text = str(exc)
+    return "/LOCK" in text and ("While lock file" in text or "lock hold by current process" in text)
 
 
 _memory: tuple[Cache, WriteBufferManager] | None = None

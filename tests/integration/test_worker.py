@@ -239,7 +239,10 @@ def test_worker_pool_splits_restarts_and_stops(setup, kafka_bootstrap, tmp_path,
             return len(owned) == 2 and all(owned) and sorted(sum(owned, [])) == [0, 1, 2, 3] and owned
 
         wait_until(members, timeout=90, interval=1)
-        assert sorted(p.name for p in (tmp_path / "pool").iterdir()) == ["worker-0", "worker-1"]
+        assert sorted(p.name for p in (tmp_path / "pool").glob("worker-*")) == ["worker-0", "worker-1"]
+        # One tree of stores for the pool (README): the workers' own folders hold none.
+        assert sorted(p.name for p in (tmp_path / "pool" / "sow" / topic).iterdir()) == ["p0", "p1", "p2", "p3"]
+        assert not list((tmp_path / "pool").glob("worker-*/sow"))
         ops = _history(200, 3000, seed=3)
         _publish_strict(client, topic, ops[:1500])
         wait_until(lambda: sow_of(client, topic) == _fold(ops[:1500]), timeout=90, interval=1)
@@ -302,3 +305,47 @@ def test_an_open_transaction_commits_after_the_interval_or_at_a_stop(setup, kafk
             again.kill()
     finally:
         w.kill()
+
+
+def _replayed(log: str, topic: str) -> list[int]:
+    """Changelog records each restore of the topic's partitions in the log read."""
+    return [int(n) for n in re.findall(rf"restored {re.escape(topic)} partition \d+: (\d+) changelog records", log)]
+
+
+def test_one_worker_then_a_pool_then_one_again_keep_their_stores(setup, kafka_bootstrap, tmp_path, admin):
+    """`ksow up`, then `ksow up --workers 2`, then `ksow up` again on one data folder: every
+    partition finds its store whichever worker takes it, and replays nothing (workers of an earlier
+    release kept one tree of stores each: a pool rebuilt every partition from its changelog)."""
+    import signal
+
+    topic, worker, client = setup
+    group = f"g-{topic}"
+    ops = _history(100, 1200, seed=4)
+    w = worker("w", "shared")
+    _publish_strict(client, topic, ops[:600])
+    wait_until(lambda: sow_of(client, topic) == _fold(ops[:600]), timeout=90, interval=1)
+    w.stop()
+
+    pool = Worker(kafka_bootstrap, tmp_path / f"{topic}.yaml", group, tmp_path / "shared", "pool", ["--workers", "2"])
+    pool.start(wait=False)
+    try:
+        def split():
+            desc = admin.describe_consumer_groups([group])[group].result(30)
+            owned = [sorted(tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic) for m in desc.members]
+            return len(owned) == 2 and all(owned) and sorted(sum(owned, [])) == [0, 1, 2, 3]
+
+        wait_until(split, timeout=90, interval=1)
+        # Each worker restored what it took: the first all four partitions, the second its half.
+        replayed = wait_until(lambda: len(r := _replayed(pool.log(), topic)) >= 6 and r, timeout=60)
+        assert set(replayed) == {0}, pool.log()[-3000:]
+        _publish_strict(client, topic, ops[600:])
+        wait_until(lambda: sow_of(client, topic) == _fold(ops), timeout=90, interval=1)
+        pool.signal(signal.SIGTERM)
+        assert pool.proc.wait(90) == 0
+    finally:
+        pool.kill()
+
+    again = worker("again", "shared")
+    replayed = wait_until(lambda: len(r := _replayed(again.log(), topic)) == 4 and r, timeout=60)
+    assert replayed == [0, 0, 0, 0], again.log()[-3000:]
+    assert sow_of(client, topic) == _fold(ops)

@@ -482,3 +482,22 @@ def test_a_cycle_of_slow_inputs_ends_on_time_and_leaves_the_rest_queued(monkeypa
         loop.cycle()
     assert applied == [("orders", i) for i in range(6)]
     assert len(consumes) >= 3 and all(b - a <= 2 for a, b in zip(consumes, consumes[1:] + [6]))
+
+
+def test_a_revoked_store_is_kept_if_assigned_back_and_let_go_of_if_not(monkeypatch, tmp_path):
+    """A revoked partition's store stays open until the new assignment is known: given back, the
+    same store serves on; left out, it is closed, so the worker of this host that took the
+    partition opens it (RocksDB lets one process at a time) instead of rebuilding elsewhere."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    assign(loop, consumer)
+    loop.cycle()
+    first = loop.tasks[("orders", 0)].store
+    revoke(loop, consumer)
+    assign(loop, consumer)
+    loop.cycle()
+    assert loop.tasks[("orders", 0)].store is first
+    revoke(loop, consumer)
+    loop._on_assign(consumer, [])  # the partition went to another worker
+    other = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())  # that worker's open
+    other.close()
+    assert not loop._parked

@@ -55,6 +55,7 @@ from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import delete_retention_ms, end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
 from processor.runners.faust import metrics
+from processor.runners.faust.stores import open_store
 from processor.state.base import PartitionStore, open_partition_store
 from processor.state.keyformat import check_key_format
 from processor.topology import Persistence, Topology
@@ -444,7 +445,8 @@ class SowLoop:
                  settings: LoopSettings | None = None, instance: str = "0"):
         self.bootstrap = bootstrap
         self.group = group
-        self.data_dir = data_dir
+        self.data_dir = data_dir  # its `sow/` tree holds the stores, shared with the host's other workers on it
+        self.instance = instance
         self.settings = settings or LoopSettings.from_env()
         self.eos = self.settings.guarantee is Guarantee.EXACTLY_ONCE
         self.engines = {s.topic: SowTopicEngine(s, topology_dir, topology.views_of(s.topic)) for s in topology.sow}
@@ -462,7 +464,9 @@ class SowLoop:
         # Owned input partition -> the offset committed for it (by the last commit, or found at
         # assignment). A transaction without offsets of its own carries one of them: `_fencing_offsets`.
         self._committed: dict[tuple[str, int], int] = {}
-        self._parked: dict[tuple[str, int], PartitionStore] = {}  # stores of revoked partitions, open in case they come back
+        # Stores of revoked partitions, open in case the next assignment gives them back (then they
+        # need no replay at all); closed when it does not, for their next owner on this host.
+        self._parked: dict[tuple[str, int], PartitionStore] = {}
         self._paused: set[tuple[str, int]] = set()
         self._replace_producer = False  # the transactional producer failed and is not replaced yet
         self._admin: AdminClient | None = None  # made when a restore first needs it (topic IDs)
@@ -606,6 +610,8 @@ class SowLoop:
                 task = self.tasks[name] = Task(engine, tp.partition, ((spec.topic, tp.partition), (spec.delta_topic, tp.partition), (spec.repartition_topic, tp.partition)))
                 new_tasks.append(task)
             self._task_of_input[(tp.topic, tp.partition)] = (task, rank)
+        for name in [name for name in self._parked if name not in self.tasks]:
+            self._parked.pop(name).close()  # another worker of this host may be waiting to open it
         self._await_previous_owner(new_tasks)
         committed = consumer.committed(partitions, 60) if partitions else []
         self._remember_committed(committed)
@@ -1295,7 +1301,7 @@ class SowLoop:
         changed_hands = store is None
         if store is None:
             if spec.persistence is Persistence.PERSISTENT:
-                store = open_partition_store("rocksdb", str(self.data_dir / "sow" / spec.topic / f"p{task.p}"), task.engine.indexes)
+                store = open_store(self.data_dir, spec.topic, task.p, task.engine.indexes, self.instance)
             else:
                 store = open_partition_store("memory", None, task.engine.indexes)
         task.store = store

@@ -27,6 +27,7 @@ from processor.contract.errors import ConfigError, KsowError
 from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topology_topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
+from processor.runners.faust.stores import adopt_worker_stores
 from processor.runners.faust.web import WebSettings, install_web
 from processor.topology import Topology
 
@@ -123,6 +124,7 @@ class SowWorker:
         topology_dir: Path | None = None,
         settings: LoopSettings | None = None,
         web: WebSettings | None = None,
+        stores_dir: Path | None = None,
     ):
         self.topology = topology
         self.bootstrap = bootstrap
@@ -131,9 +133,14 @@ class SowWorker:
         self.data_dir = Path(data_dir or default_data_dir(group, topology))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock = hold_data_dir(self.data_dir)
+        # The stores: in the data folder, or in the folder of the pool this worker is one of (`ksow up
+        # --workers N` gives each worker a folder of its own in it, for its lock and identity).
+        stores = Path(stores_dir) if stores_dir else self.data_dir
+        if stores == self.data_dir:
+            adopt_worker_stores(stores)  # the pool's parent does it before its workers start
         # A stable transactional.id per worker identity: a restarted worker fences its earlier self.
         instance = hashlib.blake2b(f"{socket.gethostname()}:{self.data_dir.resolve()}".encode(), digest_size=6).hexdigest()
-        self.loop = SowLoop(topology, bootstrap, group, self.data_dir, topology_dir, settings, instance)
+        self.loop = SowLoop(topology, bootstrap, group, stores, topology_dir, settings, instance)
         self.topics = list(self.loop.engines)
         self.app = self._make_app()
 
