@@ -266,6 +266,14 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     """
     from processor.kafka.config import kafka_config
 
+    if engine == "faust":
+        from processor.contract.errors import ConfigError
+        from processor.runners.faust.allocator import run_with_allocator
+
+        try:
+            run_with_allocator()  # first: it executes this process again
+        except ConfigError as exc:
+            _fail(str(exc))
     settings = kafka_config().describe()
     if settings:  # what a worker connects with belongs in its log (secrets masked)
         click.echo(f"Kafka client settings:\n{settings}", err=True)
@@ -321,7 +329,9 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
             _startup_failed(f"Kafka at {address}: {exc.args[0].str() if exc.args else exc}")
         except ConfigError as exc:
             _startup_failed(str(exc))
-        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}; "
+        from processor.runners.faust.allocator import allocator_in_use
+
+        click.echo(f"ksow worker: group {group}, topics {', '.join(worker.topics)}, bootstrap {address}, {guarantee}, allocator {allocator_in_use()}; "
                    f"queries at {worker.web.url}/sow/<topic>, metrics at {worker.web.url}/metrics", err=True)
         try:
             worker.run(loglevel)
