@@ -291,8 +291,8 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     _loop_settings(guarantee, static)  # what a worker would refuse stops it (or the pool) before it connects
     if workers > 1:
         from processor.contract.errors import ConfigError
-        from processor.runners.faust.stores import adopt_worker_stores
-        from processor.runners.faust.worker import default_data_dir, hold_data_dir
+        from processor.runners.faust.stores import adopt_worker_stores, hold_data_dir
+        from processor.runners.faust.worker import default_data_dir
 
         base = Path(data_dir) if data_dir else default_data_dir(group, _topology_for_worker(topology))
         _usable_folder(base)

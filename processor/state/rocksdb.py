@@ -49,7 +49,7 @@ class RocksDBBackend:
 
     def clear(self) -> None:
         self._db.close()
-        Rdict.destroy(self.path, _options())
+        destroy(self.path)
         self._db = self._open()
 
     def close(self) -> None:

@@ -113,3 +113,18 @@ def test_an_older_copy_does_not_replace_the_shared_store(tmp_path):
     adopt_worker_stores(tmp_path)
     assert keys_in(store_path(tmp_path, "t", 0)) == ["shared"]
     assert not (tmp_path / "worker-0" / "sow").exists()
+
+
+def test_a_data_folder_serves_one_worker_or_pool_at_a_time(tmp_path):
+    """`hold_data_dir`: the lock a worker (or a pool's parent) holds for its life; a second one is
+    refused with what to do, and the folder is free again once the first lets go."""
+    import pytest
+
+    from processor.contract.errors import ConfigError
+    from processor.runners.faust.stores import hold_data_dir
+
+    held = hold_data_dir(tmp_path)
+    with pytest.raises(ConfigError, match="in use by another worker on this host: give each worker its own --data-dir"):
+        hold_data_dir(tmp_path)
+    held.close()
+    hold_data_dir(tmp_path).close()

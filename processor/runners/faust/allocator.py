@@ -56,8 +56,7 @@ def run_with_allocator() -> None:
     their own choice) starts without it. Linux only; a failure leaves the process as it is."""
     if sys.platform != "linux" or not _started_as_ksow():
         return
-    loaded = os.environ.pop(_LOADED, None)
-    if loaded is not None:
+    if os.environ.pop(_LOADED, None) is not None:
         before = os.environ.pop(_PRELOAD_BEFORE, "")
         if before:
             os.environ["LD_PRELOAD"] = before

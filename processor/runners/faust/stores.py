@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from processor.contract.errors import ConfigError
 from processor.state.base import IndexSpec, PartitionStore, StoreInUse, open_partition_store
 from processor.state.rocksdb import destroy
 
@@ -26,6 +27,20 @@ log = logging.getLogger("ksow.loop")
 
 STORE_WAIT_S = 30.0  # how long a new owner waits for another local process to let go of a store
 _PARTITION = re.compile(r"p\d+")
+
+
+def hold_data_dir(path: Path):
+    """Lock a worker's data folder for the life of the process (the open file holds the lock): two
+    workers on one folder would share RocksDB stores, which RocksDB refuses only when a partition
+    opens, with a traceback, after the second worker joined the group and moved partitions."""
+    lock = open(path / ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ConfigError(f"the data folder {path} is in use by another worker on this host: give each worker "
+                          "its own --data-dir (KSOW_DATA_DIR), or run them with --workers N") from None
+    return lock
 
 
 def store_path(root: Path, topic: str, p: int) -> Path:
@@ -43,16 +58,16 @@ def open_store(root: Path, topic: str, p: int, indexes: IndexSpec, owner: str, w
         try:
             store = open_partition_store("rocksdb", str(path), indexes)
         except StoreInUse:
-            if time.monotonic() < deadline:
-                time.sleep(0.1)
-                continue
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         else:
             _remove_spares(path)
             return store
-        spare = path.with_name(f"{path.name}.spare-{owner}")
-        log.warning("the store of %s partition %d (%s) is still open in another process after %.0f s: "
-                    "restoring into %s instead", topic, p, path, wait_s, spare)
-        return open_partition_store("rocksdb", str(spare), indexes)
+    spare = path.with_name(f"{path.name}.spare-{owner}")
+    log.warning("the store of %s partition %d (%s) is still open in another process after %.0f s: "
+                "restoring into %s instead", topic, p, path, wait_s, spare)
+    return open_partition_store("rocksdb", str(spare), indexes)
 
 
 def _remove_spares(path: Path) -> None:
@@ -96,15 +111,12 @@ def adopt_worker_stores(root: Path) -> None:
 
 def _in_use(folder: Path) -> bool:
     """Whether a running worker holds the folder's lock (`hold_data_dir`)."""
-    lock = folder / ".lock"
-    if not lock.exists():
+    if not (folder / ".lock").exists():
         return False
-    with open(lock, "a") as held:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(held, fcntl.LOCK_UN)
+    try:
+        hold_data_dir(folder).close()
+    except ConfigError:
+        return True
     return False
 
 

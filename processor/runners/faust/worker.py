@@ -11,7 +11,6 @@ its own; the loop is the worker's only member of the consumer group.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import logging
 import os
@@ -23,11 +22,11 @@ import faust
 import mode
 from faust.app.base import BootStrategy
 
-from processor.contract.errors import ConfigError, KsowError
+from processor.contract.errors import KsowError
 from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topology_topic_configs
 from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
 from processor.runners.faust.loop import LoopSettings, SowLoop
-from processor.runners.faust.stores import adopt_worker_stores
+from processor.runners.faust.stores import adopt_worker_stores, hold_data_dir
 from processor.runners.faust.web import WebSettings, install_web
 from processor.topology import Topology
 
@@ -38,20 +37,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def hold_data_dir(path: Path):
-    """Lock a worker's data folder for the life of the process (the open file holds the lock): two
-    workers on one folder would share RocksDB stores, which RocksDB refuses only when a partition
-    opens, with a traceback, after the second worker joined the group and moved partitions."""
-    lock = open(path / ".lock", "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise ConfigError(f"the data folder {path} is in use by another worker on this host: give each worker "
-                          "its own --data-dir (KSOW_DATA_DIR), or run them with --workers N") from None
-    return lock
 
 
 def default_data_dir(group: str, topology: Topology) -> Path:
