@@ -65,9 +65,9 @@ from processor.topology import parse_topology  # noqa: E402
 PARTITIONS = 4
 
 
-def start_worker(bootstrap: str, topo: Path, tmp: Path, workers: int, web_port: int) -> subprocess.Popen:
+def start_worker(bootstrap: str, topo: Path, tmp: Path, workers: int, web_port: int, group: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(topo),
-            "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "warning", "--workers", str(workers),
+            "--group", group, "--data-dir", str(tmp / "data"), "--loglevel", "warning", "--workers", str(workers),
             "--web-port", str(web_port)]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / "worker.log", "wb"))
 
@@ -136,6 +136,26 @@ def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> N
             raise RuntimeError(f"the worker did not create {topic}")
         time.sleep(0.2)
     time.sleep(1.0)  # leaders settle
+
+
+def wait_for_group(bootstrap: str, group: str, members: int, alive, timeout: float = 120) -> None:
+    """The workers of a pool join one by one, and each join moves partitions between them (seconds
+    without inputs applied): wait until the group is stable with all of them before anything is timed."""
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = admin.describe_consumer_groups([group])[group].result()
+            if found.state == ConsumerGroupState.STABLE and len(found.members) == members:
+                return
+        except Exception:  # noqa: BLE001 - the group may not exist yet
+            pass
+        if not alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not settle in group {group}")
+        time.sleep(0.5)
 
 
 def records(topic: str, n: int, offset: int = 0):
@@ -302,10 +322,13 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
         topo = tmp / "t.yaml"
         topo.write_text(yaml.safe_dump(topology))
         port = free_ports(workers)
-        worker = start_worker(bootstrap, topo, tmp, workers, port)
+        group = unique_name("g")
+        worker = start_worker(bootstrap, topo, tmp, workers, port, group)
     alive = lambda: worker.poll() is None  # noqa: E731
     try:
         wait_for_topic(bootstrap, f"EXP.{exp}", alive)
+        if not plain:
+            wait_for_group(bootstrap, group, workers, alive)
         result: dict = {}
         if with_expiry:
             # Instants in [W, W + window]; W leaves time to load N records first.
