@@ -58,7 +58,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
-    create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, publish, publisher, tree_cpu_seconds, unique_name, wait_for_count)
+    admin, create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, publish, publisher, tree_cpu_seconds, unique_name, wait_for_count)
 from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer, topic_configs  # noqa: E402
 from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
@@ -130,11 +130,9 @@ def bucket_of(buckets: Counter, share: float) -> float:
 
 def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> None:
     """The worker creates its topics when it starts: wait for them before counting."""
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    client = admin(bootstrap)
     deadline = time.monotonic() + timeout
-    while topic not in admin.list_topics(timeout=10).topics:
+    while topic not in client.list_topics(timeout=10).topics:
         if not alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the worker did not create {topic}")
         time.sleep(0.2)
@@ -144,17 +142,16 @@ def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> N
 def wait_for_group(bootstrap: str, group: str, members: int, alive, timeout: float = 120) -> None:
     """The workers of a pool join one by one, and each join moves partitions between them (seconds
     without inputs applied): wait until the group is stable with all of them before anything is timed."""
-    from confluent_kafka import ConsumerGroupState
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka import ConsumerGroupState, KafkaException
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    client = admin(bootstrap)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            found = admin.describe_consumer_groups([group])[group].result()
+            found = client.describe_consumer_groups([group])[group].result()
             if found.state == ConsumerGroupState.STABLE and len(found.members) == members:
                 return
-        except Exception:  # noqa: BLE001 - the group may not exist yet
+        except KafkaException:  # the group may not exist yet
             pass
         if not alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the workers did not settle in group {group}")
@@ -340,9 +337,9 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             start_at = time.time() + load_s
             rnd = random.Random(1)
             instants = []
-            from processor.kafka.clients import make_producer, produce
+            from processor.kafka.clients import produce
 
-            producer = make_producer(bootstrap, **{"linger.ms": 20})
+            producer = publisher(bootstrap)
             began = time.time()
             for key, value in records(exp, n):
                 instant = start_at + rnd.uniform(0, window)
