@@ -12,7 +12,9 @@ first message to its last `.diff` event (the stream's rate: the median of theirs
 expiring records runs first (its rate also sizes the time left for the load). `--workers N` runs
 `ksow up --workers N` (N processes in one group). While the stream runs, the workers'
 `ksow_loop_seconds_total` (from their /metrics) says where their loop threads' time went, by step,
-in seconds a second. From the stream's end to the window's, only expiries run: the bench prints the
+in seconds a second, and what of it expiry took (each working step with expiry less the same step
+without, scaled by the ratio; while the loop thread limits the stream, the ratio is about 1 less
+that). From the stream's end to the window's, only expiries run: the bench prints the
 cores the worker's processes and the local Kafka broker (a `kafka.Kafka` JVM on this machine, if
 there is one) used then, and the CPU an expiry cost each over what they use idle (measured for 5 s
 after run 1's stream): what expiry asks of a deployment. After the window the bench reads the
@@ -480,6 +482,17 @@ def main() -> None:
     rate = args.records / args.window  # expiries a second, shared by the workers
     print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] * args.workers / rate * 1e6:.1f} us "
           f"an expiry, at {rate:,.0f} expiries a second")
+    # Each working step (all but consume, which waits for inputs) with expiry less the same step
+    # without, scaled by the ratio (the inputs' own share of it at the rate they ran): the loop's time
+    # that expiry took. While the loop thread is what limits the stream (busy nearly 1 s a second in
+    # both runs), the ratio is about 1 less this.
+    working = [step for step in STEPS if step != "consume"]
+    busy = [sum(run["steps"][step] for step in working) for run in (without, with_exp)]
+    share = {step: with_exp["steps"][step] - without["steps"][step] * r for step in working}
+    print(f"  the loop's time that expiry took while the stream ran: {sum(share.values()):.2f} s a second, "
+          f"{sum(share.values()) * args.workers / rate * 1e6:.1f} us an expiry (" + ", ".join(
+              f"{step} {share[step] * args.workers / rate * 1e6:.1f}" for step in working)
+          + f"); the loop was busy {busy[0]:.2f} | {busy[1]:.2f} s a second")
     print(cpu_line("worker", with_exp, without))
     sweeps = with_exp.get("sweeps")
     if sweeps and sweeps[float("inf")]:
