@@ -128,6 +128,7 @@ class LoopSettings:
             order_grace_ms=positive_env("KSOW_ORDER_GRACE_MS", int, cls.order_grace_ms, zero=True),
             commit_interval_ms=positive_env("KSOW_COMMIT_INTERVAL_MS", int, cls.commit_interval_ms, zero=True),
             timed_cycle_ms=positive_env("KSOW_TIMED_CYCLE_MS", int, cls.timed_cycle_ms),
+            expiry_tick_ms=positive_env("KSOW_EXPIRY_TICK_MS", int, cls.expiry_tick_ms),
             queue_high=positive_env("KSOW_QUEUE_HIGH", int, cls.queue_high),
             max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
             session_timeout_ms=positive_env("KSOW_SESSION_TIMEOUT_MS", int, cls.session_timeout_ms),
