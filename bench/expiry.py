@@ -475,23 +475,28 @@ def main() -> None:
     print("  of the records due while the stream ran | after it: " + " | ".join(
         f"{count:,} p99 {p99} ms max {top} ms" for count, p99, top in with_exp["split"].values()))
     print(f"  concurrent stream of {args.stream:,} records, {args.passes} passes (median): {with_exp['stream_rate']:,.0f} rec/s with expiry "
-          f"({', '.join(f'{r:,.0f}' for r in with_exp['stream_rates'])}), {without['stream_rate']:,.0f} rec/s without "
-          f"({', '.join(f'{r:,.0f}' for r in without['stream_rates'])})")
+          f"({', '.join(f'{x:,.0f}' for x in with_exp['stream_rates'])}), {without['stream_rate']:,.0f} rec/s without "
+          f"({', '.join(f'{x:,.0f}' for x in without['stream_rates'])})")
     print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
         f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
     rate = args.records / args.window  # expiries a second, shared by the workers
-    print(f"  the sweep step while the stream ran: {with_exp['steps']['sweep'] * args.workers / rate * 1e6:.1f} us "
+
+    def per_expiry(seconds: float) -> float:
+        """Microseconds an expiry, from one worker's loop seconds a second (each expires its share)."""
+        return seconds * args.workers / rate * 1e6
+
+    print(f"  the sweep step while the stream ran: {per_expiry(with_exp['steps']['sweep']):.1f} us "
           f"an expiry, at {rate:,.0f} expiries a second")
     # Each working step (all but consume, which waits for inputs) with expiry less the same step
     # without, scaled by the ratio (the inputs' own share of it at the rate they ran): the loop's time
     # that expiry took. While the loop thread is what limits the stream (busy nearly 1 s a second in
     # both runs), the ratio is about 1 less this.
     working = [step for step in STEPS if step != "consume"]
-    busy = [sum(run["steps"][step] for step in working) for run in (without, with_exp)]
+    busy = [sum(result["steps"][step] for step in working) for result in (without, with_exp)]
     share = {step: with_exp["steps"][step] - without["steps"][step] * r for step in working}
     print(f"  the loop's time that expiry took while the stream ran: {sum(share.values()):.2f} s a second, "
-          f"{sum(share.values()) * args.workers / rate * 1e6:.1f} us an expiry (" + ", ".join(
-              f"{step} {share[step] * args.workers / rate * 1e6:.1f}" for step in working)
+          f"{per_expiry(sum(share.values())):.1f} us an expiry ("
+          + ", ".join(f"{step} {per_expiry(share[step]):.1f}" for step in working)
           + f"); the loop was busy {busy[0]:.2f} | {busy[1]:.2f} s a second")
     print(cpu_line("worker", with_exp, without))
     sweeps = with_exp.get("sweeps")
