@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +146,17 @@ def wait_for_count(
             time.sleep(poll)
     finally:
         consumer.close()
+
+
+def wait_for_topic(bootstrap: str, topic: str, alive: Callable[[], bool] = lambda: True, timeout: float = 120) -> None:
+    """The worker creates its topics when it starts: wait for them before counting."""
+    client = admin(bootstrap)
+    deadline = time.monotonic() + timeout
+    while topic not in client.list_topics(timeout=10).topics:
+        if not alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the worker did not create {topic}")
+        time.sleep(0.2)
+    time.sleep(1.0)  # leaders settle
 
 
 def first_last_timestamps(bootstrap: str, topic: str, partitions: int) -> tuple[float, float]:

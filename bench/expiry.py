@@ -60,7 +60,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
-    admin, create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, publish, publisher, tree_cpu_seconds, unique_name, wait_for_count)
+    admin, create_topics, kafka_bootstrap, local_broker_cpu_seconds, log, publish, publisher, tree_cpu_seconds, unique_name, wait_for_count,
+    wait_for_topic)
 from processor.core.keys import KeySpec  # noqa: E402
 from processor.kafka.clients import make_consumer, topic_configs  # noqa: E402
 from processor.runners.faust.metrics import LOOP_STEPS as STEPS  # noqa: E402
@@ -128,17 +129,6 @@ def bucket_of(buckets: Counter, share: float) -> float:
     """The smallest upper bound under which `share` of the observations lie."""
     total = buckets[float("inf")]
     return next(le for le in sorted(buckets) if buckets[le] >= share * total)
-
-
-def wait_for_topic(bootstrap: str, topic: str, alive, timeout: float = 120) -> None:
-    """The worker creates its topics when it starts: wait for them before counting."""
-    client = admin(bootstrap)
-    deadline = time.monotonic() + timeout
-    while topic not in client.list_topics(timeout=10).topics:
-        if not alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the worker did not create {topic}")
-        time.sleep(0.2)
-    time.sleep(1.0)  # leaders settle
 
 
 def wait_for_group(bootstrap: str, group: str, members: int, alive, timeout: float = 120) -> None:

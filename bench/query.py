@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import kafka_bootstrap, log, peak_rss_mb, unique_name  # noqa: E402
+from bench.common import kafka_bootstrap, log, peak_rss_mb, unique_name, wait_for_topic  # noqa: E402
 from processor.contract.types import SowRecord
 from processor.query import engine as query_module
 from processor.query.engine import SowQuery, run_query
@@ -86,6 +86,7 @@ def http_round_trip(repeat: int) -> tuple[float, float] | None:
                                    "--group", group, "--data-dir", str(tmp / "d"), "--web-port", "0", "--loglevel", "warning"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            wait_for_topic(bootstrap, topic, lambda: worker.poll() is None)  # the worker creates it as it starts
             client = Client(bootstrap, load_topology(path), group)
             rnd = random.Random(3)
             for i in range(20_000):

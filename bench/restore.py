@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,7 +139,8 @@ def fill(bootstrap: str, topic: str, messages: list) -> float:
 # the two sides, each in its own process -------------------------------------------------------------
 def ksow_restore(bootstrap: str, topic: str, data_dir: str, indexes: bool, schema: str | None) -> dict:
     """The loop's replay of partition 0 into an empty store: `SowLoop._replay_changelog` itself, on a
-    stand-in for the loop that has what it reads (its bootstrap, admin client and guarantee)."""
+    stand-in for the loop that has what it reads (its bootstrap, admin client and guarantee, and its
+    check of how long ago a store read the log)."""
     from processor.engine.topic import SowTopicEngine
     from processor.runners.faust.loop import SowLoop, Task
     from processor.state.base import open_partition_store
@@ -149,6 +151,7 @@ def ksow_restore(bootstrap: str, topic: str, data_dir: str, indexes: bool, schem
     store = open_partition_store("rocksdb", data_dir, engine.indexes)
     engine.attach(0, store)
     loop = SimpleNamespace(bootstrap=bootstrap, _admin=None, eos=True)
+    loop._tombstones_cleaned = partial(SowLoop._tombstones_cleaned, loop)  # False for an empty store: it never read the log
     gc.freeze()  # as the loop runs its cycles, a restore among them (SowLoop.run)
     gc.disable()
     began, cpu, own = time.perf_counter(), cpu_seconds(), time.thread_time()
@@ -200,7 +203,9 @@ def limit_restore(bootstrap: str, topic: str, data_dir: str) -> dict:
 
 
 def run_side(side: str, spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--side", side, json.dumps(spec)], check=True, capture_output=True, cwd=str(REPO))
+    out = subprocess.run([sys.executable, __file__, "--side", side, json.dumps(spec)], capture_output=True, cwd=str(REPO))
+    if out.returncode:
+        raise RuntimeError(f"the {side} side failed (exit {out.returncode}):\n{out.stderr.decode(errors='replace')[-3000:]}")
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
