@@ -41,9 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -139,8 +137,9 @@ def fill(bootstrap: str, topic: str, messages: list) -> float:
 # the two sides, each in its own process -------------------------------------------------------------
 def ksow_restore(bootstrap: str, topic: str, data_dir: str, indexes: bool, schema: str | None) -> dict:
     """The loop's replay of partition 0 into an empty store: `SowLoop._replay_changelog` itself, on a
-    stand-in for the loop that has what it reads (its bootstrap, admin client and guarantee, and its
-    check of how long ago a store read the log)."""
+    loop that is not started: a SowLoop with only the attributes the replay reads (its bootstrap,
+    admin client and guarantee), and every method of its own (a stand-in object lacked a method the
+    replay came to call, and the bench failed from 52b702a to e0d96c8)."""
     from processor.engine.topic import SowTopicEngine
     from processor.runners.faust.loop import SowLoop, Task
     from processor.state.base import open_partition_store
@@ -150,8 +149,8 @@ def ksow_restore(bootstrap: str, topic: str, data_dir: str, indexes: bool, schem
     task = Task(engine, 0, ((spec.topic, 0), (spec.delta_topic, 0), (spec.repartition_topic, 0)))
     store = open_partition_store("rocksdb", data_dir, engine.indexes)
     engine.attach(0, store)
-    loop = SimpleNamespace(bootstrap=bootstrap, _admin=None, eos=True)
-    loop._tombstones_cleaned = partial(SowLoop._tombstones_cleaned, loop)  # False for an empty store: it never read the log
+    loop = SowLoop.__new__(SowLoop)  # no __init__: no consumer, producer or stores of its own
+    loop.bootstrap, loop._admin, loop.eos = bootstrap, None, True
     gc.freeze()  # as the loop runs its cycles, a restore among them (SowLoop.run)
     gc.disable()
     began, cpu, own = time.perf_counter(), cpu_seconds(), time.thread_time()
