@@ -106,6 +106,44 @@ def test_a_record_on_sow_that_is_no_sow_record_is_skipped_on_restore(kafka_boots
         again.kill()
 
 
+def test_a_partition_restoring_holds_up_neither_the_other_partitions_nor_their_expiry(kafka_bootstrap, unique_name, tmp_path, admin):
+    """A worker that takes on a partition with a long changelog (300,000 records: seconds of restore)
+    applies and expires the records of its other partition meanwhile. Partition 1's own delta waits
+    for the end of its restore and merges into the restored record."""
+    from processor.core.keys import owner_partition
+    from processor.kafka.clients import make_producer
+
+    path = write_topology(tmp_path, unique_name, partitions=2, expiration="enabled")
+    spec = load_topology(path).sow[0]
+    ensure_topics(admin, topic_configs(spec))
+    key = spec.key_spec.sow_key
+    ours, theirs = [next(i for i in range(100) if owner_partition(key({"id": i}), 2) == p) for p in (0, 1)]
+    producer = make_producer(kafka_bootstrap, **{"linger.ms": 20})
+    for n, i in enumerate([theirs, *range(1_000, 300_999)]):  # partition 1's changelog, as a worker wrote it
+        producer.produce(spec.sow_topic, orjson.dumps({"id": i, "restored": True}), key({"id": i}).encode(), 1,
+                         headers=[("sow-seq", b"%d" % ((n + 1) << 10 | 1))])
+        if n % 50_000 == 0:
+            producer.flush(60)
+    assert producer.flush(60) == 0
+    # Partition 0's record expires 1 s after it is applied; partition 1's delta waits for its restore.
+    producer.produce(spec.topic, orjson.dumps({"id": ours}), key({"id": ours}).encode(), 0, headers=[("sow-expiration", b"1s")])
+    producer.produce(spec.delta_topic, orjson.dumps({"id": theirs, "delta": True}), key({"id": theirs}).encode(), 1)
+    assert producer.flush(30) == 0
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start(wait=False)
+    try:
+        restored = f"restored {unique_name} partition 1:"
+        wait_until(lambda: read_topic(kafka_bootstrap, f"EXP.{unique_name}", [0]), 120, "partition 0's record expired")
+        assert restored not in worker.log(), "partition 0 waited for partition 1's restore"
+        worker.wait_for(restored, 120)
+        assert f"{restored} 300000 changelog records, 300000 in SOW" in worker.log()
+        client = Client(kafka_bootstrap, load_topology(path))
+        found = wait_until(lambda: [e.record for e in client.query(unique_name, keys=[key({"id": theirs})]) if "delta" in e.record], 60, "the delta")
+        assert found == [{"id": theirs, "restored": True, "delta": True}]
+        assert worker.proc.poll() is None
+    finally:
+        worker.kill()
+
+
 def test_a_worker_without_data_dir_finds_its_stores_again(tmp_path):
     from processor.runners.faust.worker import default_data_dir
     from processor.topology import parse_topology

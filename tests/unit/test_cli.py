@@ -122,7 +122,8 @@ def test_every_command_that_connects_takes_kafka_config(run):
 
 
 @pytest.mark.parametrize("name,value", [("KSOW_BATCH_MAX", "abc"), ("KSOW_BATCH_MAX", "0"), ("KSOW_SESSION_TIMEOUT_MS", "-5"),
-                                        ("KSOW_MAX_TASK_IDLE_MS", "soon"), ("KSOW_TRANSACTION_TIMEOUT_MS", "1.5"), ("KSOW_EXPIRY_TICK_MS", "0")])
+                                        ("KSOW_MAX_TASK_IDLE_MS", "soon"), ("KSOW_TRANSACTION_TIMEOUT_MS", "1.5"), ("KSOW_EXPIRY_TICK_MS", "0"),
+                                        ("KSOW_RESTORE_SLICE_MS", "0")])
 def test_up_refuses_a_bad_loop_setting_before_connecting(run, monkeypatch, name, value):
     """The worker loop's environment settings are checked when `ksow up` starts: exit 1 naming the
     variable, not a traceback from the worker's thread."""
@@ -161,6 +162,9 @@ def test_loop_settings_from_the_environment(monkeypatch):
     assert LoopSettings.from_env().expiry_tick_ms == 25
     monkeypatch.setenv("KSOW_EXPIRY_TICK_MS", "100")
     assert LoopSettings.from_env().expiry_tick_ms == 100
+    assert LoopSettings.from_env().restore_slice_ms == 100
+    monkeypatch.setenv("KSOW_RESTORE_SLICE_MS", "20")
+    assert LoopSettings.from_env().restore_slice_ms == 20
 
 
 def test_files_that_cannot_be_used_are_clear_errors(run, tmp_path):

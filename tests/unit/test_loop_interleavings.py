@@ -8,7 +8,7 @@ import time
 
 import orjson
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from processor.contract.errors import ConfigError
 from processor.contract.types import SowRecord
@@ -19,7 +19,7 @@ from processor.topology import parse_topology
 
 import processor.runners.faust.loop as loop_module
 
-from .fake_clients import Message, applied_inputs, assign, end_of, now_ms, revoke, scripted_loop
+from .fake_clients import INPUTS, Message, applied_inputs, assign, end_of, now_ms, revoke, scripted_loop
 
 
 def _record(i: int, **fields) -> bytes:
@@ -107,6 +107,54 @@ def test_the_wait_for_an_input_behind_starts_again_after_an_assignment(monkeypat
     time.sleep(0.05)
     loop.cycle()
     assert applied == [("orders.delta", 0), ("orders", 0)]
+
+
+def test_a_partition_restoring_holds_up_neither_the_others_nor_itself_past_its_restore(monkeypatch, tmp_path):
+    """Partition 1 restores 6 `.sow` batches, one a cycle here (KSOW_RESTORE_SLICE_MS 1): partition 0
+    applies its inputs meanwhile, and one whose key partition 1 owns goes to it through
+    `.repartition` instead of into its half-built store. Partition 1's own delta waits for the end
+    of the restore and merges into the restored record."""
+    from processor.core.keys import owner_partition
+    from processor.engine.topic import SowTopicEngine
+
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"partitions": 2}, restore_slice_ms=1, commit_interval_ms=0)
+    spec = loop.engines["orders"].spec
+    ids = {p: [i for i in range(100) if owner_partition(spec.key_spec.sow_key({"id": i}), 2) == p] for p in (0, 1)}
+    changelog = [Message("orders.sow", 1, n, _record(i, restored=True), now_ms() - 60_000, key=spec.key_spec.sow_key({"id": i}).encode(),
+                         headers=[("sow-seq", b"%d" % ((n + 1) << 10 | 1))]) for n, i in enumerate(ids[1][:12])]
+
+    def read_batches(consumer, ends, size):
+        for at in range(0, len(changelog), 2):
+            time.sleep(0.002)  # past the slice: a cycle restores one batch
+            yield changelog[at:at + 2]
+
+    monkeypatch.setattr(loop_module, "read_batches", read_batches)
+    monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {
+        p: (0, len(changelog)) if (topic, p) == ("orders.sow", 1) else (0, 0) for p in partitions})
+    applied = applied_inputs(loop)
+    loop._on_assign(consumer, [TopicPartition(t, p) for t in INPUTS for p in (0, 1)])
+    t0 = now_ms() - 10_000
+    consumer.script.append([Message("orders", 0, 0, _record(ids[0][0]), t0), Message("orders", 0, 1, _record(ids[1][0], misrouted=True), t0 + 1),
+                            Message("orders.delta", 1, 0, _record(ids[1][1], delta=True), t0 + 2)]
+                           + [end_of(t, p, 0 if (t, p) != ("orders", 0) else 2) for t in INPUTS for p in (0, 1)]
+                           + [end_of("orders.delta", 1, 1)])
+    loop.cycle()
+    assert applied == [("orders", 0), ("orders", 1)]  # partition 0's, while partition 1 restores
+    assert not loop.tasks[("orders", 1)].restored and loop.served("orders") == [0]
+    rerouted = [value for p in producers for topic, partition, _, value in p.delivered if (topic, partition) == ("orders.repartition", 1)]
+    assert [orjson.loads(v)["id"] for v in rerouted] == [ids[1][0]]
+    for _ in range(10):
+        if loop.tasks[("orders", 1)].restored:
+            break
+        loop.cycle()
+        assert applied[2:] in ([], [("orders.delta", 0)])  # nothing of partition 1 applied before its end
+    assert loop.tasks[("orders", 1)].restored and loop.served("orders") == [0, 1]
+    loop.cycle()
+    assert applied[2:] == [("orders.delta", 0)]
+    store = loop.tasks[("orders", 1)].store
+    assert store.count() == 12
+    assert store.get(spec.key_spec.sow_key({"id": ids[1][1]})).data == {"id": ids[1][1], "restored": True, "delta": True}
+    assert isinstance(loop.engines["orders"], SowTopicEngine) and sorted(loop.engines["orders"].partitions) == [0, 1]
 
 
 def test_a_changelog_reseed_whose_transaction_aborts_is_done_again(monkeypatch, tmp_path):

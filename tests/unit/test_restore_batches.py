@@ -10,7 +10,6 @@ import json
 import logging
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -76,8 +75,9 @@ def replay(monkeypatch, engine: SowTopicEngine, store: PartitionStore, messages:
     monkeypatch.setattr(loop_module, "make_consumer", lambda bootstrap, **config: Consumer(messages))
     monkeypatch.setattr(loop_module, "end_offsets", lambda consumer, topic, partitions: {0: (0, len(messages))})
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: INCARNATION)
-    loop = SimpleNamespace(bootstrap="scripted:9092", _admin=object(), eos=True,
-                           _tombstones_cleaned=lambda store, topic, p: False)  # a store read just now
+    loop = SowLoop.__new__(SowLoop)  # no __init__: only what the replay reads
+    loop.bootstrap, loop._admin, loop.eos = "scripted:9092", object(), True
+    loop._tombstones_cleaned = lambda store, topic, p: False  # a store read just now
     task = Task(engine, 0, (("orders", 0), ("orders.delta", 0), ("orders.repartition", 0)))
     count, reseed = SowLoop._replay_changelog(loop, task, store)
     assert not reseed

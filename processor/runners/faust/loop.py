@@ -7,10 +7,11 @@ transactional producer. Each cycle:
 2. merges the inputs of each owned SOW partition in timestamp order (processor.engine.ordering),
    waiting, at most `max_idle_ms`, for an input that is behind;
 3. applies them with the engine, sweeps expiry and releases conflated view events; every output is
-   produced as the engine makes it, into the open transaction;
+   produced as the engine makes it, into the open transaction (a newly assigned partition is
+   restored first, a slice a cycle, while the others go on: `_restore_some`);
 4. once the transaction has been open for the commit interval (100 ms; Kafka Streams'
    commit.interval.ms), sends the input offsets to it and commits it, else leaves it open for the
-   next cycles (a rebalance, a restore or a stop commits it first);
+   next cycles (a rebalance or a stop commits it first);
 5. then commits the stores with their changelog positions.
 
 A crash before 4 completes aborts the transaction: no output is visible to `read_committed`
@@ -96,6 +97,9 @@ class LoopSettings:
     # with the next cycle). The gap between two sweeps is about the commit of such a cycle and one chunk.
     timed_cycle_ms: int = 200
     expire_batch: int = 2000  # records one partition expires per sweep, so a backlog never stalls inputs
+    # How long a cycle restores newly assigned partitions (from `<topic>.sow`) before the partitions
+    # already served get their turn: inputs, expiry sweeps (also between the restore's batches).
+    restore_slice_ms: int = 100
     queue_high: int = 20000  # an input partition with this many queued messages is paused
     # The producer's message.max.bytes: under the broker's default (1,048,588, compressed batches), so
     # that the producer refuses, at once and for that message, what the broker would refuse for the
@@ -129,6 +133,7 @@ class LoopSettings:
             commit_interval_ms=positive_env("KSOW_COMMIT_INTERVAL_MS", int, cls.commit_interval_ms, zero=True),
             timed_cycle_ms=positive_env("KSOW_TIMED_CYCLE_MS", int, cls.timed_cycle_ms),
             expiry_tick_ms=positive_env("KSOW_EXPIRY_TICK_MS", int, cls.expiry_tick_ms),
+            restore_slice_ms=positive_env("KSOW_RESTORE_SLICE_MS", int, cls.restore_slice_ms),
             queue_high=positive_env("KSOW_QUEUE_HIGH", int, cls.queue_high),
             max_message_bytes=positive_env("KSOW_MAX_MESSAGE_BYTES", int, cls.max_message_bytes),
             session_timeout_ms=positive_env("KSOW_SESSION_TIMEOUT_MS", int, cls.session_timeout_ms),
@@ -173,6 +178,15 @@ def _put_back(tasks: list["Task"], entries: list) -> None:
         queues[(entry[1], entry[2])].appendleft(entry)
 
 
+def _stop_restore(task: "Task") -> bool:
+    """End the task's restore if one is running (its changelog consumer closes); whether one was."""
+    if task.replay is None:
+        return False
+    task.replay.close()
+    task.replay = None
+    return True
+
+
 def _kill(step: str) -> None:
     for switch in _SWITCHES:
         switch(step)
@@ -202,6 +216,7 @@ class Task:
     unseen_since: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # when an input caught up was first found to have more, or not confirmed to have nothing more (monotonic; 0: neither)
     store: PartitionStore | None = None
     restored: bool = False
+    replay: Iterator[None] | None = None  # its restore while it runs (SowLoop._restore_some), a `.sow` batch a step
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
 
     def __post_init__(self) -> None:
@@ -585,6 +600,7 @@ class SowLoop:
         self.producer.flush(10)
         self._committer.shutdown()
         for task in self.tasks.values():
+            _stop_restore(task)
             if task.store is not None:
                 task.store.close()
         for store in self._parked.values():
@@ -685,6 +701,8 @@ class SowLoop:
             task = found[0]
             if self.tasks.pop(task.name, None) is not None:
                 task.engine.detach(task.p)
+                if _stop_restore(task):
+                    task.store.rollback()  # back to the restore's last commit, and the position it read to
                 if task.store is not None:
                     self._parked[task.name] = task.store
         log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
@@ -731,10 +749,10 @@ class SowLoop:
         if messages:
             self._file(messages)
             _FILE_SECONDS.inc(time.perf_counter() - consumed)
-        if any(not t.restored for t in self.tasks.values()):
-            self._restore_pending()  # commits an open batch first
         out = self._open or _Batch(self)
         self._open = None  # while the cycle runs, `out` is the only batch (a failure forgets it)
+        if any(not t.restored for t in self.tasks.values()):
+            self._restore_some(out)
         worked = bool(messages)
         for engine in self.engines.values():
             n = self._apply(engine, out, out.offsets)
@@ -829,8 +847,8 @@ class SowLoop:
 
     def _apply(self, engine: SowTopicEngine, out: list, offsets: dict) -> int:
         """Apply, in timestamp order, what can be applied of the inputs of one SOW topic."""
-        tasks = [t for t in self.tasks.values() if t.engine is engine]
-        if not tasks or not all(t.restored for t in tasks):
+        tasks = [t for t in self.tasks.values() if t.engine is engine and t.restored]  # a partition restoring is detached
+        if not tasks:
             return 0
         queues = [q for t in tasks for q in t.queues]
         topic = engine.spec.topic
@@ -1150,7 +1168,7 @@ class SowLoop:
                 ending = self._committer.submit(self.producer.flush)
             preparing = time.perf_counter()
             try:
-                prepared = {name: task.store.prepare() for name, task in self.tasks.items() if task.store is not None and task.store.dirty}
+                prepared = {name: task.store.prepare() for name, task in self.tasks.items() if task.restored and task.store is not None and task.store.dirty}
             finally:
                 waiting = time.perf_counter()
                 _PREPARE_SECONDS.inc(waiting - preparing)
@@ -1173,7 +1191,7 @@ class SowLoop:
         now_ms = time.time_ns() // 1_000_000
         for name, task in self.tasks.items():
             store = task.store
-            if store is None:
+            if store is None or not task.restored:  # a restore commits its own store, with the position it read to
                 continue
             position = ends.get((task.engine.spec.sow_topic, task.p))
             if position is not None and position > store.meta("changelog"):
@@ -1270,6 +1288,7 @@ class SowLoop:
                 self.producer = self._new_producer()
                 self._replace_producer = False
         for task in list(self.tasks.values()):
+            _stop_restore(task)
             if task.store is not None:
                 task.store.rollback()
             for q in task.queues:
@@ -1280,20 +1299,43 @@ class SowLoop:
             task.restored = False  # views' holds and the store are read back before going on
 
     # restore --------------------------------------------------------------------------------
-    def _restore_pending(self) -> None:
-        """Bring every newly assigned SOW partition up to date before any of its inputs is applied:
-        its store from `<topic>.sow`, its conflated views' holds from `<topic>.holds`."""
-        pending = [t for t in self.tasks.values() if not t.restored]
-        if not pending or not self._commit_open():
-            return
-        out = _Batch(self)
-        now = time.time_ns() // 1_000_000
-        for task in pending:
-            self._restore(task, now, out)  # not visible to readers until `restored`
-        if out.sent or self._in_txn:
-            self._commit(out, {}, Counter())
+    def _restore_some(self, out: "_Batch") -> None:
+        """Bring newly assigned SOW partitions up to date, for at most `restore_slice_ms` a cycle, a
+        `.sow` batch at a time with expiry sweeps between: the partitions this worker serves already
+        go on applying inputs, expiring and releasing view events between slices (as Kafka Streams
+        restores between its running tasks' processing), where a restore that ran to its end first
+        held them all up (about 13 s a million changelog records) and kept the consumer from polling.
 
-    def _restore(self, task: Task, now: int, out: list) -> None:
+        Until its store reached the end of `<topic>.sow` a partition is detached from its engine:
+        nothing reads or writes its store but the restore, an input of a served partition whose
+        SowKey it owns goes to it through `.repartition`, and its own inputs wait in their queues
+        (paused when long)."""
+        deadline = time.monotonic() + self.settings.restore_slice_ms / 1000
+        for task in list(self.tasks.values()):
+            if task.restored:
+                continue
+            if task.replay is None:
+                task.replay = self._restoring(task)
+            try:
+                while True:
+                    next(task.replay)
+                    self._sweep_if_due(out)
+                    if time.monotonic() >= deadline:
+                        break
+            except StopIteration as done:
+                task.replay = None
+                self._serve(task, *done.value, out)
+            except BaseException:
+                task.replay = None  # a restore that raised is over: the next one starts again (from the store rolled back)
+                raise
+            if time.monotonic() >= deadline:
+                break
+        if any(not t.restored for t in self.tasks.values()):
+            self._more = True  # the next consume does not wait: the restore goes on
+
+    def _restoring(self, task: Task) -> Iterator[None]:
+        """The restore of one partition, a step a `.sow` batch (`_restore_some`); returns whether the
+        partition must then write its records back to `.sow` (re-seed) and whether it must purge them."""
         spec = task.engine.spec
         store = task.store or self._parked.pop(task.name, None)
         # A store this process still holds (an eager rebalance gave the partition back, or an abort
@@ -1307,25 +1349,41 @@ class SowLoop:
                 store = open_partition_store("memory", None, task.engine.indexes)
         task.store = store
         task.engine.detach(task.p)  # forget views' holds of an earlier, aborted attempt
-        partition = task.engine.attach(task.p, store)
         if spec.persistence is Persistence.TRANSIENT:
             self._resume_events(task, store)
-        else:
-            count, reseed = self._replay_changelog(task, store)
-            check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule: stop, say how to rebuild
-            log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
-            if reseed:
-                partition.reseed(store.records(), out)
-            if spec.persistence is Persistence.SIMPLE and changed_hands:
-                partition.purge(store.records(), now, out)  # a `simple` SOW does not survive its owner: `.sow` is told
+            return False, False
+        count, reseed = yield from self._replaying(task, store)
+        check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule: stop, say how to rebuild
+        log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
+        return reseed, spec.persistence is Persistence.SIMPLE and changed_hands
+
+    def _serve(self, task: Task, reseed: bool, purge: bool, out: "_Batch") -> None:
+        """A partition whose restore is done: attached to its engine, and served from now on. What it
+        tells (a re-seed, a purge) goes in the batch's transaction; the store commits after it."""
+        partition = task.engine.attach(task.p, task.store)
+        if reseed:
+            partition.reseed(task.store.records(), out)
+        if purge:  # a `simple` SOW does not survive its owner: `.sow` is told
+            partition.purge(task.store.records(), time.time_ns() // 1_000_000, out)
         if task.engine.conflates:
             self._read_holds(task)
         task.restored = True
 
     def _replay_changelog(self, task: Task, store: PartitionStore) -> tuple[int, bool]:
-        """Replay `<topic>.sow` from the store's position to its end. Returns (records read, whether
-        the store must re-seed the changelog: the log was deleted and created again since the store
-        read it, and the store keeps the SOW rather than lose it).
+        """`_replaying` run to its end at once (what bench/restore.py times)."""
+        steps = self._replaying(task, store)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def _replaying(self, task: Task, store: PartitionStore) -> Iterator[None]:
+        """Replay `<topic>.sow` from the store's position to its end, a step a batch. Returns (records
+        read, whether the store must re-seed the changelog: the log was deleted and created again
+        since the store read it, and the store keeps the SOW rather than lose it). Closed before its
+        end (the partition revoked, the batch aborted), it leaves the store with its staged writes:
+        rolled back, the store is at its last commit, with the position it had read to.
 
         A recreated log is told by its topic ID (`topic_incarnation`, kept in the store's metadata),
         not by its offsets: they may have grown past the store's position already (records of an
@@ -1376,6 +1434,7 @@ class SowLoop:
                         store.set_meta("changelog", batch[-1].offset() + 1)
                         store.commit()
                         uncommitted = 0
+                    yield
             store.set_meta("changelog", high)
             store.set_meta(_CHANGELOG_AT, time.time_ns() // 1_000_000)
             if incarnation:
