@@ -28,6 +28,16 @@ the store keeps hash and age index entries, which cost more); --avro makes it an
 record's schema in a temporary file). With --runs R the two alternate, figures are medians.
 Broker: $KAFKA_BOOTSTRAP, else the embedded one; --prefix names the topics (a shared broker).
 Last line: `restore: ksow X rec/s, limit L rec/s, ratio R` (R = X / L).
+
+`--alongside RATE` measures instead what a restore costs the partitions a worker serves already:
+a topic of two partitions, the N records on partition 1's `.sow`, and a `ksow up` worker started
+on it with an empty data folder, while records are published to partition 0 at RATE a second,
+each with a lifetime of 1 s, from the worker's start to 2 s past the end of partition 1's restore.
+It prints the restore's time (the worker's log, from the assignment to `restored ... partition
+1`), and for partition 0's records published before the restore ended: how long each took to be
+applied (its `.diff` event's timestamp, the worker's clock when it produced it, less the input's)
+and how late each expired (`sow-actual-expiry - sow-expires-at` on `EXP.`). Last line:
+`restore alongside: N records in X s; partition 0 meanwhile: p99 applied after A ms, p99 expired B ms late`.
 """
 
 from __future__ import annotations
@@ -36,12 +46,16 @@ import argparse
 import gc
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
+
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -116,8 +130,8 @@ def _some(rng: random.Random, live: set[int], k: int) -> int:
             return i
 
 
-def fill(bootstrap: str, topic: str, messages: list) -> float:
-    """Write the messages to partition 0 in transactions of TXN, as a worker does; returns seconds."""
+def fill(bootstrap: str, topic: str, messages: list, partition: int = 0) -> float:
+    """Write the messages to a partition in transactions of TXN, as a worker does; returns seconds."""
     producer = make_producer(bootstrap, **{"transactional.id": unique_name("ksow-bench-restore"), "linger.ms": 20})
     producer.init_transactions(30)
     began = time.perf_counter()
@@ -126,7 +140,7 @@ def fill(bootstrap: str, topic: str, messages: list) -> float:
         for key, value, headers, stamp in messages[start:start + TXN]:
             while True:
                 try:
-                    producer.produce(topic, value, key, partition=0, headers=headers, timestamp=stamp)
+                    producer.produce(topic, value, key, partition=partition, headers=headers, timestamp=stamp)
                     break
                 except BufferError:
                     producer.poll(0.05)
@@ -249,6 +263,91 @@ def one_run(bootstrap: str, args, r: int) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# a restore beside served partitions ---------------------------------------------------------------------
+LIFETIME_MS = 1000  # of each record published to partition 0 while partition 1 restores
+_LOGGED_AT = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def _logged_at(line: str) -> float:
+    """The epoch seconds of a worker's log line (its `[date time,ms]` prefix, local time)."""
+    return datetime.strptime(_LOGGED_AT.match(line).group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def alongside(bootstrap: str, args) -> dict:
+    from processor.core.keys import owner_partition
+    from processor.testing import read_topic
+
+    tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-restore-"))
+    topic = unique_name(args.prefix)
+    topology = {"sow": [{"topic": topic, "key": ["/id"], "persistence": "persistent", "partitions": 2, "expiration": "enabled",
+                         **({"hash_indexes": [["/desk"]], "capacity": 10**9} if args.indexes else {})}]}
+    (tmp / "t.yaml").write_text(json.dumps(topology))  # YAML
+    spec = parse_topology(topology).sow[0]
+    wanted = topic_configs(spec)
+    wanted[spec.sow_topic] = (wanted[spec.sow_topic][0], wanted[spec.sow_topic][1] | {"min.compaction.lag.ms": str(CLEANER_LAG_MS)})
+    worker = None
+    try:
+        create_topics(bootstrap, wanted)
+        messages, live, _ = changelog(spec, args.n, args.k or args.n * 3 // 5, args.expiring, args.tombstones)
+        log(f"{spec.sow_topic}[1]: {len(messages):,} messages written in {fill(bootstrap, spec.sow_topic, messages, 1):.1f}s")
+        del messages
+        ids = (i for i in range(10**9, 2 * 10**9) if owner_partition(spec.key_spec.sow_key({"id": i}), 2) == 0)
+        producer = make_producer(bootstrap, **{"linger.ms": 5})
+        worker_log = tmp / "worker.log"
+        worker = subprocess.Popen([sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(tmp / "t.yaml"),
+                                   "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "info"],
+                                  stdout=subprocess.DEVNULL, stderr=open(worker_log, "wb"), cwd=str(REPO))
+        restored = f"restored {topic} partition 1:"
+        sent: dict[bytes, float] = {}  # partition 0's keys -> when published (epoch s)
+        ended = None  # when the restore ended (epoch s, the worker's log)
+        next_at = look_at = time.time()
+        while ended is None or time.time() < ended + 2:
+            if worker.poll() is not None:
+                raise RuntimeError(f"the worker exited ({worker.returncode}): {worker_log.read_text(errors='replace')[-3000:]}")
+            i = next(ids)
+            key = spec.key_spec.sow_key({"id": i}).encode()
+            sent[key] = time.time()
+            producer.produce(spec.topic, orjson.dumps(full_record(random.Random(i), i)), key, 0,
+                             headers=[("sow-expiration", b"%dms" % LIFETIME_MS)], timestamp=int(sent[key] * 1000))
+            producer.poll(0)
+            next_at += 1 / args.alongside
+            time.sleep(max(0.0, next_at - time.time()))
+            if ended is None and time.time() >= look_at:
+                look_at += 0.1
+                if restored in (text := worker_log.read_text(errors="replace")):
+                    ended = _logged_at(next(line for line in text.splitlines() if restored in line))
+        producer.flush(30)
+        text = worker_log.read_text(errors="replace")
+        assigned = _logged_at(next(line for line in text.splitlines() if "] assigned " in line))
+        during = {k for k, at in sent.items() if at < ended}
+        deadline = time.time() + 120
+        while True:
+            diffs = {m.key(): m.timestamp()[1] / 1000 for m in read_topic(bootstrap, spec.diff_topic, [0]) if m.key() in sent}
+            expired = {m.key(): m for m in read_topic(bootstrap, spec.expired_topic, [0]) if m.key() in sent}
+            if len(diffs) == len(expired) == len(sent) or time.time() > deadline:
+                break
+            time.sleep(1)
+        if len(diffs) != len(sent) or len(expired) != len(sent):
+            raise RuntimeError(f"partition 0: {len(sent)} published, {len(diffs)} applied, {len(expired)} expired")
+        applied_ms = sorted((diffs[k] - sent[k]) * 1000 for k in during)
+        late_ms = sorted(int(dict(m.headers())["sow-actual-expiry"]) - int(dict(m.headers())["sow-expires-at"]) for k, m in expired.items() if k in during)
+        return {"records": args.n, "live": live, "restore_s": ended - assigned, "published": len(sent), "during": len(during),
+                "applied_ms": applied_ms, "late_ms": late_ms}
+    finally:
+        if worker is not None:
+            worker.terminate()
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        delete_topics(bootstrap, wanted)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pct(values: list, q: float) -> float:
+    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=1_000_000, help="changelog records (default 1000000)")
@@ -260,6 +359,8 @@ def main() -> None:
     kind.add_argument("--avro", action="store_true", help="an Avro topic instead of JSON")
     parser.add_argument("--runs", type=int, default=1, help="repeat with fresh topics; figures are medians")
     parser.add_argument("--prefix", default="bench_restore", help="topic name prefix (default bench_restore)")
+    parser.add_argument("--alongside", type=float, default=0.0, metavar="RATE",
+                        help="instead: a worker restores partition 1 while RATE records a second go to partition 0")
     parser.add_argument("--side", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -271,6 +372,18 @@ def main() -> None:
             print(json.dumps(limit_restore(spec["bootstrap"], f"{spec['topic']}.sow", spec["data_dir"])))
         return
 
+    if args.alongside:
+        with kafka_bootstrap() as bootstrap:
+            a = alongside(bootstrap, args)
+        applied, late = a["applied_ms"], a["late_ms"]
+        print(f"restore alongside: {a['records']:,} changelog records of partition 1 ({a['live']:,} live) restored in {a['restore_s']:.1f}s "
+              f"({a['records'] / a['restore_s']:,.0f} rec/s) from the assignment")
+        print(f"  partition 0: {a['published']:,} records published at {args.alongside:g}/s, {a['during']:,} of them before the restore ended; "
+              f"of those, applied after p50 {_pct(applied, 0.5):.0f} ms, p99 {_pct(applied, 0.99):.0f} ms, max {applied[-1]:.0f} ms; "
+              f"expired late by p50 {_pct(late, 0.5):.0f} ms, p99 {_pct(late, 0.99):.0f} ms, max {late[-1]:.0f} ms")
+        print(f"restore alongside: {a['records']} records in {a['restore_s']:.1f} s; partition 0 meanwhile: p99 applied after "
+              f"{_pct(applied, 0.99):.0f} ms, p99 expired {_pct(late, 0.99):.0f} ms late")
+        return
     with kafka_bootstrap() as bootstrap:
         runs = []
         for r in range(args.runs):

@@ -47,6 +47,11 @@ def _resume_after(state: PartitionState, seq: int) -> None:
     state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
 
 
+class _Held(Exception):
+    """An input that would touch a partition this runner owns but is still restoring: `handle`
+    stops before it, and it waits with what follows it, so the inputs keep their order."""
+
+
 class SowTopicEngine:
     """The partitions of one SOW topic that this runner owns."""
 
@@ -56,6 +61,7 @@ class SowTopicEngine:
         self.views: list[ViewProcessor] = views_of(spec, views)
         self.streams = Streams.of(spec)
         self.partitions: dict[int, SowPartition] = {}
+        self.restoring: set[int] = set()  # partitions this runner owns whose state is being rebuilt (detached)
         self.defaults = {spec.topic: Command.PUBLISH, spec.delta_topic: Command.DELTA_PUBLISH}
         self.inputs = (spec.topic, spec.delta_topic, spec.repartition_topic)
         self.key_paths = spec.key_spec.split
@@ -72,11 +78,19 @@ class SowTopicEngine:
 
     # partitions -----------------------------------------------------------------------
     def attach(self, p: int, state: PartitionState) -> SowPartition:
+        self.restoring.discard(p)
         partition = self.partitions[p] = SowPartition(self.spec, p, state, self.codec, self.views)
         return partition
 
-    def detach(self, p: int) -> None:
+    def detach(self, p: int, restoring: bool = False) -> None:
+        """Forget partition p (and its views' holds). `restoring`: it stays this runner's while a
+        runner rebuilds its state; until it is attached again an input that would touch it waits
+        (`handle` stops before it) instead of going to its owner through `.repartition`."""
         self.partitions.pop(p, None)
+        if restoring:
+            self.restoring.add(p)
+        else:
+            self.restoring.discard(p)
         for view in self.views:
             view.forget(p)
 
@@ -132,7 +146,8 @@ class SowTopicEngine:
     def handle(self, messages: Iterable[InputMessage], now: int, out: list, until: float | None = None) -> int:
         """Apply messages in the given order; what cannot be applied goes to `.errors` with the reason.
         With `until` (a time.monotonic() instant), stop before any message but the first once it has
-        passed. Returns how many messages were handled (the first ones)."""
+        passed, and before one that would touch a partition still restoring. Returns how many
+        messages were handled (the first ones)."""
         done = 0
         for msg in messages:
             if until is not None and done and time.monotonic() >= until:
@@ -141,6 +156,9 @@ class SowTopicEngine:
             self.current = msg
             try:
                 self.handle_one(msg, now, out)
+            except _Held:
+                done -= 1
+                break
             except BatchAborted:
                 self.current = None
                 raise
@@ -176,6 +194,8 @@ class SowTopicEngine:
                 owner = self._owner(key)
             target = self.partitions.get(owner)
             if target is None:
+                if owner in self.restoring:
+                    raise _Held
                 out.append(self._reroute(msg, default, owner, cmd.sow_key.encode()))
             else:
                 target.apply(cmd, published, now, out, came)
@@ -213,6 +233,8 @@ class SowTopicEngine:
         # its own stamp, which can be behind what its partition applied before it) is not the
         # delete's to remove. The copies carry that place as their timestamp.
         owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
+        if not owners.isdisjoint(self.restoring):
+            raise _Held
         budget = None if cmd.keys else DeleteBudget(delete_filter_seconds())  # one filter budget for all of them
         for q in sorted(owners & partitions.keys()):
             if q == msg.partition:

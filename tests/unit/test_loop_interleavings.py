@@ -111,9 +111,10 @@ def test_the_wait_for_an_input_behind_starts_again_after_an_assignment(monkeypat
 
 def test_a_partition_restoring_holds_up_neither_the_others_nor_itself_past_its_restore(monkeypatch, tmp_path):
     """Partition 1 restores 6 `.sow` batches, one a cycle here (KSOW_RESTORE_SLICE_MS 1): partition 0
-    applies its inputs meanwhile, and one whose key partition 1 owns goes to it through
-    `.repartition` instead of into its half-built store. Partition 1's own delta waits for the end
-    of the restore and merges into the restored record."""
+    applies its inputs meanwhile, up to one whose SowKey partition 1 owns (sent to partition 0), which
+    waits, with what follows it, for the end of the restore: not into a half-built store, not
+    through `.repartition` (where it could come after partition 1's later inputs). Partition 1's own
+    delta then merges into its restored record."""
     from processor.core.keys import owner_partition
     from processor.engine.topic import SowTopicEngine
 
@@ -135,26 +136,63 @@ def test_a_partition_restoring_holds_up_neither_the_others_nor_itself_past_its_r
     loop._on_assign(consumer, [TopicPartition(t, p) for t in INPUTS for p in (0, 1)])
     t0 = now_ms() - 10_000
     consumer.script.append([Message("orders", 0, 0, _record(ids[0][0]), t0), Message("orders", 0, 1, _record(ids[1][0], misrouted=True), t0 + 1),
-                            Message("orders.delta", 1, 0, _record(ids[1][1], delta=True), t0 + 2)]
-                           + [end_of(t, p, 0 if (t, p) != ("orders", 0) else 2) for t in INPUTS for p in (0, 1)]
+                            Message("orders.delta", 1, 0, _record(ids[1][1], delta=True), t0 + 2), Message("orders", 0, 2, _record(ids[0][1]), t0 + 3)]
+                           + [end_of(t, p, 0 if (t, p) != ("orders", 0) else 3) for t in INPUTS for p in (0, 1)]
                            + [end_of("orders.delta", 1, 1)])
     loop.cycle()
-    assert applied == [("orders", 0), ("orders", 1)]  # partition 0's, while partition 1 restores
+    assert applied == [("orders", 0)]  # partition 0's first, while partition 1 restores
     assert not loop.tasks[("orders", 1)].restored and loop.served("orders") == [0]
-    rerouted = [value for p in producers for topic, partition, _, value in p.delivered if (topic, partition) == ("orders.repartition", 1)]
-    assert [orjson.loads(v)["id"] for v in rerouted] == [ids[1][0]]
     for _ in range(10):
+        loop.cycle()
         if loop.tasks[("orders", 1)].restored:
             break
-        loop.cycle()
-        assert applied[2:] in ([], [("orders.delta", 0)])  # nothing of partition 1 applied before its end
+        assert applied == [("orders", 0)]  # the next waits for partition 1
     assert loop.tasks[("orders", 1)].restored and loop.served("orders") == [0, 1]
-    loop.cycle()
-    assert applied[2:] == [("orders.delta", 0)]
+    assert applied == [("orders", 0), ("orders", 1), ("orders.delta", 0), ("orders", 2)]
+    assert not [topic for p in producers for topic, *_ in p.delivered if topic == "orders.repartition"]
     store = loop.tasks[("orders", 1)].store
     assert store.count() == 12
     assert store.get(spec.key_spec.sow_key({"id": ids[1][1]})).data == {"id": ids[1][1], "restored": True, "delta": True}
+    assert store.get(spec.key_spec.sow_key({"id": ids[1][0]})).data == {"id": ids[1][0], "misrouted": True}
     assert isinstance(loop.engines["orders"], SowTopicEngine) and sorted(loop.engines["orders"].partitions) == [0, 1]
+
+
+def test_a_partition_revoked_in_the_middle_of_its_restore_keeps_only_what_the_restore_committed(monkeypatch, tmp_path):
+    """Revoked (or its batch aborted) between two slices, a restore stops: its changelog consumer
+    closes and the store goes back to the restore's last commit, whose position matches it. The
+    same worker given the partition back goes on from there, with the same store."""
+    loop, consumer, _ = scripted_loop(monkeypatch, tmp_path, restore_slice_ms=1, commit_interval_ms=0)
+    spec = loop.engines["orders"].spec
+    changelog = [Message("orders.sow", 0, n, _record(n), now_ms(), key=spec.key_spec.sow_key({"id": n}).encode(),
+                         headers=[("sow-seq", b"%d" % ((n + 1) << 10))]) for n in range(12)]
+    closed = []
+
+    def read_batches(consumer, ends, size):
+        try:
+            for at in range(0, len(changelog), 2):
+                time.sleep(0.002)  # past the slice: a cycle restores one batch
+                yield changelog[at:at + 2]
+        finally:
+            closed.append(len(closed))
+
+    monkeypatch.setattr(loop_module, "read_batches", read_batches)
+    monkeypatch.setattr(loop_module, "_RESTORE_COMMIT", 4)
+    monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {
+        p: (0, len(changelog)) if topic == "orders.sow" else (0, 0) for p in partitions})
+    assign(loop, consumer)
+    for _ in range(3):  # three batches: six records staged, the first four committed
+        loop.cycle()
+    task = loop.tasks[("orders", 0)]
+    store = task.store
+    key = lambda n: spec.key_spec.sow_key({"id": n})  # noqa: E731
+    assert not task.restored and task.replay is not None and store.get(key(5)) is not None
+    revoke(loop, consumer)
+    assert closed == [0] and store.get(key(5)) is None and store.get(key(3)) is not None and store.meta("changelog") == 4
+    assign(loop, consumer)
+    for _ in range(10):
+        loop.cycle()
+    assert loop.tasks[("orders", 0)].restored and loop.tasks[("orders", 0)].store is store
+    assert store.count() == 12 and store.meta("changelog") == 12
 
 
 def test_a_changelog_reseed_whose_transaction_aborts_is_done_again(monkeypatch, tmp_path):

@@ -1306,16 +1306,19 @@ class SowLoop:
         restores between its running tasks' processing), where a restore that ran to its end first
         held them all up (about 13 s a million changelog records) and kept the consumer from polling.
 
-        Until its store reached the end of `<topic>.sow` a partition is detached from its engine:
-        nothing reads or writes its store but the restore, an input of a served partition whose
-        SowKey it owns goes to it through `.repartition`, and its own inputs wait in their queues
-        (paused when long)."""
-        deadline = time.monotonic() + self.settings.restore_slice_ms / 1000
-        for task in list(self.tasks.values()):
-            if task.restored:
-                continue
+        Until its store reached the end of `<topic>.sow` a partition is detached from its engine, and
+        nothing reads or writes its store but the restore. Its own inputs wait in their queues
+        (paused when long); so does, with the inputs of its topic after it, one of a served partition
+        that would touch it (a SowKey it owns, sent to another partition; a delete by filter), so
+        that the topic's inputs keep their order: applied directly it would meet a half-built store,
+        and through `.repartition` it could come after inputs sent later."""
+        pending = [t for t in self.tasks.values() if not t.restored]
+        for task in pending:  # all of them before anything is applied
             if task.replay is None:
+                task.engine.detach(task.p, restoring=True)  # forgets views' holds of an earlier, aborted attempt
                 task.replay = self._restoring(task)
+        deadline = time.monotonic() + self.settings.restore_slice_ms / 1000
+        for task in pending:
             try:
                 while True:
                     next(task.replay)
@@ -1348,7 +1351,6 @@ class SowLoop:
             else:
                 store = open_partition_store("memory", None, task.engine.indexes)
         task.store = store
-        task.engine.detach(task.p)  # forget views' holds of an earlier, aborted attempt
         if spec.persistence is Persistence.TRANSIENT:
             self._resume_events(task, store)
             return False, False
