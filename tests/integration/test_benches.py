@@ -28,6 +28,8 @@ BENCHES = [
     pytest.param("restore", ["-n", "3000"], rf"restore: ksow {NUMBER} rec/s, limit {NUMBER} rec/s, ratio {NUMBER}", id="restore"),
     pytest.param("restore", ["-n", "3000", "--indexes", "--avro"], rf"restore: ksow {NUMBER} rec/s, limit {NUMBER} rec/s, ratio {NUMBER}",
                  id="restore --indexes --avro"),
+    pytest.param("restore", ["-n", "3000", "--alongside", "200"], rf"restore alongside: {NUMBER} records in {NUMBER} s; partition 0 meanwhile: "
+                 rf"{NUMBER} records, p99 applied after {NUMBER} ms, p99 expired {NUMBER} ms late", id="restore --alongside"),
     pytest.param("query", ["--records", "3000", "--queries", "5"], rf"query: indexed p50 {NUMBER} ms, scan {NUMBER} rec/s", id="query"),
     pytest.param("query_load", ["--records", "2000", "--inputs", "2000", "--callers", "0,2", "--shares", "1"],
                  rf"query_load: share 1: ingest {NUMBER} rec/s alone, with 2 callers {NUMBER} rec/s \(ratio {NUMBER}, {NUMBER} queries/s\)",
