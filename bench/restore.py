@@ -330,7 +330,10 @@ def alongside(bootstrap: str, args) -> dict:
         during = {k for k, at in sent.items() if at < ended}
         deadline = time.time() + 120
         while True:
-            diffs = {m.key(): m.timestamp()[1] / 1000 for m in read_topic(bootstrap, spec.diff_topic, [0]) if m.key() in sent}
+            diffs: dict[bytes, float] = {}  # the record's first event (its insert; the second is its expiry)
+            for m in read_topic(bootstrap, spec.diff_topic, [0]):
+                if m.key() in sent:
+                    diffs.setdefault(m.key(), m.timestamp()[1] / 1000)
             expired = {m.key(): m for m in read_topic(bootstrap, spec.expired_topic, [0]) if m.key() in sent}
             if len(diffs) == len(expired) == len(sent) or time.time() > deadline:
                 break

@@ -3,7 +3,7 @@
 Key format 2 (`processor.core.keys.KEY_FORMAT`) makes the SowKey from the text of the key values,
 so SowKeys of records keyed by numbers or booleans changed. A store, or the `<topic>.sow` changelog
 it was rebuilt from, may still hold SowKeys of format 1: a worker that went on with it would keep
-two records for what is now one key. `check_key_format` is called for each partition once its
+two records for what is now one key. `check_key_format` is run for each partition once its
 store has caught up with the changelog, before any input is applied.
 
 A store of format 1 is refused only if one of its records has a SowKey the current rule does not
@@ -12,6 +12,8 @@ SowKeys under both rules and are simply stamped.
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 from processor.contract.errors import ConfigError
 from processor.core.keys import KEY_FORMAT, KeyError_
@@ -23,28 +25,36 @@ class KeyFormatError(ConfigError):
     """A SOW partition holds SowKeys of an older rule; the message tells the operator how to rebuild."""
 
 
-def stale_key(store: PartitionStore, spec: SowTopic) -> tuple[str, str | None] | None:
-    """The first record whose stored SowKey differs from the one the current rule gives its data:
-    (stored key, current key or None when the data has no valid key any more); None if none does."""
+SCAN_STEP = 5_000  # records a scan reads between two steps
+
+
+def stale_key(store: PartitionStore, spec: SowTopic) -> Generator[None, None, tuple[str, str | None] | None]:
+    """Scan the store's records, a step every SCAN_STEP (a worker runs it in slices, between its
+    other partitions' work: a million records take seconds). Its value: the first record whose
+    stored SowKey differs from the one the current rule gives its data, as (stored key, current key
+    or None when the data has no valid key any more); None if none does."""
     if spec.key_spec.user_keys:
         return None
-    for key, record in store.records():
+    for n, (key, record) in enumerate(store.records(), 1):
         try:
             current = spec.key_spec.sow_key(record.data)
         except KeyError_:
             return key, None
         if current != key:
             return key, current
+        if n % SCAN_STEP == 0:
+            yield
     return None
 
 
-def check_key_format(store: PartitionStore, spec: SowTopic, partition: int, group: str) -> None:
+def check_key_format(store: PartitionStore, spec: SowTopic, partition: int, group: str) -> Generator[None, None, None]:
     """Raise KeyFormatError if partition `partition` of `spec` holds SowKeys of an older rule;
     otherwise stamp the store with KEY_FORMAT (committed with its next commit), so the records are
-    scanned only once. Call it with nothing staged, after the changelog restore."""
+    scanned only once. Run it (a step every SCAN_STEP records) with nothing staged, after the
+    changelog restore."""
     if store.key_format() == KEY_FORMAT:
         return
-    found = stale_key(store, spec)
+    found = yield from stale_key(store, spec)
     if found is not None:
         raise KeyFormatError(rebuild_message(spec, partition, group, *found))
     store.set_key_format(KEY_FORMAT)

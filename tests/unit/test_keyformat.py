@@ -38,7 +38,7 @@ def test_a_store_of_format_1_with_number_keys_is_refused(store):
     old = format1_key("orders", [5])
     put(store, old, {"id": 5})
     with pytest.raises(KeyFormatError) as caught:
-        check_key_format(store, ORDERS, 3, "ksow")
+        list(check_key_format(store, ORDERS, 3, "ksow"))  # run to its end
     message = str(caught.value)
     assert isinstance(caught.value, ConfigError)
     assert message.startswith("orders partition 3: the SOW was written under an older SowKey rule")
@@ -56,17 +56,17 @@ def test_stores_whose_keys_did_not_change_are_stamped(tmp_path, records):
     store = open_partition_store("rocksdb", path, IndexSpec())
     for data in records:
         put(store, ORDERS.key_spec.sow_key(data), data)
-    check_key_format(store, ORDERS, 0, "ksow")
+    list(check_key_format(store, ORDERS, 0, "ksow"))  # run to its end
     store.commit()
     store.close()
     store = open_partition_store("rocksdb", path, IndexSpec())
     assert store.key_format() == KEY_FORMAT
     put(store, "not-a-checksum", {"id": 5})  # a stamped store is trusted: no scan at all
-    check_key_format(store, ORDERS, 0, "ksow")
+    list(check_key_format(store, ORDERS, 0, "ksow"))  # run to its end
     store.close()
 
 
 def test_publisher_keyed_topics_never_change(store):
     put(store, "any+Base64/key=", {"whatever": 5})
-    check_key_format(store, SowTopic(topic="t", partitions=4), 0, "ksow")
+    list(check_key_format(store, SowTopic(topic="t", partitions=4), 0, "ksow"))  # run to its end
     assert store.dirty  # the stamp waits for the store's next commit
