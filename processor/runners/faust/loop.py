@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Generator, Iterator
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME as _LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -216,7 +216,7 @@ class Task:
     unseen_since: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # when an input caught up was first found to have more, or not confirmed to have nothing more (monotonic; 0: neither)
     store: PartitionStore | None = None
     restored: bool = False
-    replay: Iterator[None] | None = None  # its restore while it runs (SowLoop._restore_some), a `.sow` batch a step
+    replay: Generator[None, None, tuple[bool, bool]] | None = None  # its restore while it runs (SowLoop._restore_some), a `.sow` batch a step
     lateness: metrics.Histogram = field(init=False, repr=False)  # its topic's ksow_expiry_lateness_seconds, labelled once
 
     def __post_init__(self) -> None:
@@ -1336,7 +1336,7 @@ class SowLoop:
         if any(not t.restored for t in self.tasks.values()):
             self._more = True  # the next consume does not wait: the restore goes on
 
-    def _restoring(self, task: Task) -> Iterator[None]:
+    def _restoring(self, task: Task) -> Generator[None, None, tuple[bool, bool]]:
         """The restore of one partition, a step a `.sow` batch (`_restore_some`); returns whether the
         partition must then write its records back to `.sow` (re-seed) and whether it must purge them."""
         spec = task.engine.spec
@@ -1380,7 +1380,7 @@ class SowLoop:
             except StopIteration as done:
                 return done.value
 
-    def _replaying(self, task: Task, store: PartitionStore) -> Iterator[None]:
+    def _replaying(self, task: Task, store: PartitionStore) -> Generator[None, None, tuple[int, bool]]:
         """Replay `<topic>.sow` from the store's position to its end, a step a batch. Returns (records
         read, whether the store must re-seed the changelog: the log was deleted and created again
         since the store read it, and the store keeps the SOW rather than lose it). Closed before its
