@@ -37,7 +37,8 @@ It prints the restore's time (the worker's log, from the assignment to `restored
 1`; publishing starts at the assignment), and for partition 0's records published before the
 restore ended: how long each took to be
 applied (its `.diff` event's timestamp, the worker's clock when it produced it, less the input's)
-and how late each expired (`sow-actual-expiry - sow-expires-at` on `EXP.`). Last line:
+and how late each expired (`sow-actual-expiry - sow-expires-at` on `EXP.`); the same for the
+records of the 2 s after the restore are the same-run baseline. Last line:
 `restore alongside: N records in X s; partition 0 meanwhile: M records, p99 applied after A ms, p99 expired B ms late`.
 """
 
@@ -276,7 +277,7 @@ def _logged_at(line: str) -> float:
 
 def alongside(bootstrap: str, args) -> dict:
     from processor.core.keys import owner_partition
-    from processor.testing import read_topic
+    from processor.testing import WorkerProcess, read_topic
 
     tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-restore-"))
     topic = unique_name(args.prefix)
@@ -292,28 +293,22 @@ def alongside(bootstrap: str, args) -> dict:
         messages, live, _ = changelog(spec, args.n, args.k or args.n * 3 // 5, args.expiring, args.tombstones)
         log(f"{spec.sow_topic}[1]: {len(messages):,} messages written in {fill(bootstrap, spec.sow_topic, messages, 1):.1f}s")
         del messages
-        ids = (i for i in range(10**9, 2 * 10**9) if owner_partition(spec.key_spec.sow_key({"id": i}), 2) == 0)
+        keyed = ((i, spec.key_spec.sow_key({"id": i})) for i in range(10**9, 2 * 10**9))
+        ours = ((i, sow_key) for i, sow_key in keyed if owner_partition(sow_key, 2) == 0)  # partition 0's
         producer = make_producer(bootstrap, **{"linger.ms": 5})
-        worker_log = tmp / "worker.log"
-        worker = subprocess.Popen([sys.executable, "-m", "processor.cli", "up", "--bootstrap", bootstrap, "--topology", str(tmp / "t.yaml"),
-                                   "--group", unique_name("g"), "--data-dir", str(tmp / "data"), "--loglevel", "info"],
-                                  stdout=subprocess.DEVNULL, stderr=open(worker_log, "wb"), cwd=str(REPO))
+        worker = WorkerProcess(bootstrap, tmp / "t.yaml", unique_name("g"), tmp / "data").start(wait=False)
         restored = f"restored {topic} partition 1:"
         # Publishing starts once the worker has its partitions: what it takes to start and join
         # the group is no part of the restore's cost to the other partition.
-        deadline = time.time() + 120
-        while "] assigned " not in worker_log.read_text(errors="replace"):
-            if worker.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the worker took no partitions: {worker_log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.05)
+        worker.wait_for("] assigned ", 120)
         sent: dict[bytes, float] = {}  # partition 0's keys -> when published (epoch s)
         ended = None  # when the restore ended (epoch s, the worker's log)
         next_at = look_at = time.time()
         while ended is None or time.time() < ended + 2:
-            if worker.poll() is not None:
-                raise RuntimeError(f"the worker exited ({worker.returncode}): {worker_log.read_text(errors='replace')[-3000:]}")
-            i = next(ids)
-            key = spec.key_spec.sow_key({"id": i}).encode()
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"the worker exited ({worker.proc.returncode}): {worker.log()[-3000:]}")
+            i, sow_key = next(ours)
+            key = sow_key.encode()
             sent[key] = time.time()
             producer.produce(spec.topic, orjson.dumps(full_record(random.Random(i), i)), key, 0,
                              headers=[("sow-expiration", b"%dms" % LIFETIME_MS)], timestamp=int(sent[key] * 1000))
@@ -322,10 +317,10 @@ def alongside(bootstrap: str, args) -> dict:
             time.sleep(max(0.0, next_at - time.time()))
             if ended is None and time.time() >= look_at:
                 look_at += 0.1
-                if restored in (text := worker_log.read_text(errors="replace")):
+                if restored in (text := worker.log()):
                     ended = _logged_at(next(line for line in text.splitlines() if restored in line))
         producer.flush(30)
-        text = worker_log.read_text(errors="replace")
+        text = worker.log()
         assigned = _logged_at(next(line for line in text.splitlines() if "] assigned " in line))
         during = {k for k, at in sent.items() if at < ended}
         deadline = time.time() + 120
@@ -340,17 +335,19 @@ def alongside(bootstrap: str, args) -> dict:
             time.sleep(1)
         if len(diffs) != len(sent) or len(expired) != len(sent):
             raise RuntimeError(f"partition 0: {len(sent)} published, {len(diffs)} applied, {len(expired)} expired")
-        applied_ms = sorted((diffs[k] - sent[k]) * 1000 for k in during)
-        late_ms = sorted(int(dict(m.headers())["sow-actual-expiry"]) - int(dict(m.headers())["sow-expires-at"]) for k, m in expired.items() if k in during)
+        def late(m) -> int:
+            headers = dict(m.headers())
+            return int(headers["sow-actual-expiry"]) - int(headers["sow-expires-at"])
+
+        # The same figures for the records published in the 2 s after the restore: the baseline.
         return {"records": args.n, "live": live, "restore_s": ended - assigned, "published": len(sent), "during": len(during),
-                "applied_ms": applied_ms, "late_ms": late_ms}
+                "applied_ms": sorted((diffs[k] - sent[k]) * 1000 for k in during),
+                "late_ms": sorted(late(m) for k, m in expired.items() if k in during),
+                "applied_after_ms": sorted((diffs[k] - sent[k]) * 1000 for k in sent if k not in during),
+                "late_after_ms": sorted(late(m) for k, m in expired.items() if k not in during)}
     finally:
         if worker is not None:
-            worker.terminate()
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+            worker.stop()
         delete_topics(bootstrap, wanted)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -393,6 +390,9 @@ def main() -> None:
         print(f"  partition 0: {a['published']:,} records published at {args.alongside:g}/s from the assignment, {a['during']:,} of them "
               f"before the restore ended; of those, applied after p50 {_pct(applied, 0.5):.0f} ms, p99 {_pct(applied, 0.99):.0f} ms, "
               f"max {_pct(applied, 1):.0f} ms; expired late by p50 {_pct(late, 0.5):.0f} ms, p99 {_pct(late, 0.99):.0f} ms, max {_pct(late, 1):.0f} ms")
+        base, base_late = a["applied_after_ms"], a["late_after_ms"]
+        print(f"  baseline, partition 0's {len(base):,} records of the 2 s after the restore: applied after p50 {_pct(base, 0.5):.0f} ms, "
+              f"p99 {_pct(base, 0.99):.0f} ms; expired late by p50 {_pct(base_late, 0.5):.0f} ms, p99 {_pct(base_late, 0.99):.0f} ms")
         print(f"restore alongside: {a['records']} records in {a['restore_s']:.1f} s; partition 0 meanwhile: {a['during']} records, p99 applied "
               f"after {_pct(applied, 0.99):.0f} ms, p99 expired {_pct(late, 0.99):.0f} ms late")
         return
