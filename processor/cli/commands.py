@@ -69,18 +69,21 @@ class _Commands(click.Group):
     one line and exit status 1, not a traceback."""
 
     def invoke(self, ctx: click.Context):
-        from confluent_kafka import KafkaError, KafkaException
-
         from processor.contract.errors import KsowError
 
         try:
             return super().invoke(ctx)
         except KsowError as exc:
             raise click.ClickException(str(exc)) from None
-        except KafkaException as exc:
+        except Exception as exc:
+            # Not imported here: `ksow up` executes itself again before librdkafka loads
+            # (_faust_allocator). A KafkaException comes only from a command that loaded it.
+            kafka = sys.modules.get("confluent_kafka")
+            if kafka is None or not isinstance(exc, kafka.KafkaException):
+                raise
             err = exc.args[0] if exc.args else None
             reason = err.str() if err is not None and hasattr(err, "str") else str(exc)
-            if err is not None and hasattr(err, "code") and err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT):
+            if err is not None and hasattr(err, "code") and err.code() in (kafka.KafkaError._TRANSPORT, kafka.KafkaError._ALL_BROKERS_DOWN, kafka.KafkaError._TIMED_OUT):
                 address = (ctx.obj or {}).get("bootstrap")
                 if address:
                     # The failed call only says "transport failure": a refused login or certificate is
@@ -245,11 +248,27 @@ def _worker_options(fn):
     return fn
 
 
+def _faust_allocator(ctx: click.Context, param: click.Parameter, engine: str) -> str:
+    """A Faust worker executes itself again with its allocator preloaded (processor/runners/faust/
+    allocator.py). `--engine` is eager so this comes before any other option is read: checking
+    --kafka-config loads librdkafka, which the process executed again would load once more."""
+    if engine == "faust" and not ctx.resilient_parsing:
+        from processor.contract.errors import ConfigError
+        from processor.runners.faust.allocator import run_with_allocator
+
+        try:
+            run_with_allocator()
+        except ConfigError as exc:
+            _fail(str(exc))
+    return engine
+
+
 @main.command()
 @connection
 @_worker_options
 @click.option("--loglevel", default="info", show_default=True)
-@click.option("--engine", type=click.Choice(["faust", "spark"]), default="faust", show_default=True, envvar="KSOW_ENGINE",
+@click.option("--engine", type=click.Choice(["faust", "spark"]), default="faust", show_default=True, envvar="KSOW_ENGINE", is_eager=True,
+              callback=_faust_allocator,
               help="faust: the Faust worker (RocksDB stores); spark: Spark Structured Streaming (transformWithState).")
 @click.option("--checkpoint-dir", envvar="KSOW_SPARK_CHECKPOINT_DIR", default=None,
               help="spark engine: offsets and state (default ~/.cache/ksow/spark-checkpoints/<group>); restart with the same one to carry on.")
@@ -266,14 +285,6 @@ def up(bootstrap, topology, group, data_dir, web_port, web_host, web_bind, web_t
     """
     from processor.kafka.config import kafka_config
 
-    if engine == "faust":
-        from processor.contract.errors import ConfigError
-        from processor.runners.faust.allocator import run_with_allocator
-
-        try:
-            run_with_allocator()  # first: it executes this process again
-        except ConfigError as exc:
-            _fail(str(exc))
     settings = kafka_config().describe()
     if settings:  # what a worker connects with belongs in its log (secrets masked)
         click.echo(f"Kafka client settings:\n{settings}", err=True)

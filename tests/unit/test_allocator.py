@@ -26,7 +26,9 @@ def test_the_choices():
 
 def _worker_maps(tmp_path: Path, allocator: str | None) -> tuple[str, str]:
     """Start `ksow up` against a port nothing listens on (it waits 15 s to reach it) and read what
-    its process, same PID after the execution again, has mapped and in its environment."""
+    its process, same PID after the execution again, has mapped and in its environment when
+    librdkafka first shows in its maps: the execution again comes before librdkafka loads, which
+    the process executed would otherwise load twice, so the maps read then are the worker's."""
     topology = tmp_path / "t.yaml"
     topology.write_text("sow:\n  - topic: t\n    key: [/id]\n")
     env = {k: v for k, v in os.environ.items() if k != "KSOW_ALLOCATOR"}
@@ -37,9 +39,9 @@ def _worker_maps(tmp_path: Path, allocator: str | None) -> tuple[str, str]:
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.005)
             maps = Path(f"/proc/{proc.pid}/maps").read_text()
-            if "confluent_kafka" in maps:  # the command runs (imports done): past any execution again
+            if "confluent_kafka" in maps:
                 return maps, Path(f"/proc/{proc.pid}/environ").read_bytes().decode(errors="replace")
         raise AssertionError("the worker did not get going")
     finally:
