@@ -48,10 +48,12 @@ import orjson
 from lark import Lark, Token, Transformer
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
+from processor.core.keys import key_text
 from processor.core.paths import MISSING, get_path, split_path, within
 from processor.core.regex import RegexError, regex
 
-__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "distinct_keys", "spelled_number", "MATCH_ALL"]
+__all__ = ["FilterError", "Filter", "compile_filter", "format_filter", "index_keys", "distinct_keys", "spelled_number", "MATCH_ALL",
+           "key_texts_equal_to", "odd_key_spelling"]
 
 
 class FilterError(ValueError):
@@ -901,21 +903,31 @@ class Filter:
         values are `distinct_keys`). No values means nothing can match. None when the filter is not such a conjunction (an
         OR or NOT on top, or no equality term at all); {} for a constant TRUE filter like 1=1.
         """
-        node = self._ast
-        items = node.items if isinstance(node, And) else (node,)
-        terms: dict[str, tuple] = {}
-        for item in items:
-            term = _equality_term(item)
-            if term is not None:
-                path, values = term
-                # Keep the smaller set; intersecting is wrong for arrays (['x','y'] = 'x' and 'y').
-                if path not in terms or len(values) < len(terms[path]):
-                    terms[path] = values
+        terms = self._conjunction_terms(lambda values: distinct_keys(k for v in values for k in index_keys(v)))
         if terms:
             return terms
+        node = self._ast
         if isinstance(node, Compare) and isinstance(node.left, Lit) and isinstance(node.right, Lit):
             return {} if self._fn({}) is True else None
         return None
+
+    def literal_terms(self) -> dict[str, tuple]:
+        """{path: literals} from the same top-level AND terms as equality_terms(), the literals as
+        written (`/id = '5'` gives ('5',), `/id IN (5, 6)` (5, 6)): a record can match only if its
+        value at each path equals one of them. {} when there is no such term."""
+        return self._conjunction_terms(tuple)
+
+    def _conjunction_terms(self, values_of: Callable[[tuple], tuple]) -> dict[str, tuple]:
+        node = self._ast
+        terms: dict[str, tuple] = {}
+        for item in node.items if isinstance(node, And) else (node,):
+            term = _equality_term(item)
+            if term is not None:
+                path, values = term[0], values_of(term[1])
+                # Keep the smaller set; intersecting is wrong for arrays (['x','y'] = 'x' and 'y').
+                if path not in terms or len(values) < len(terms[path]):
+                    terms[path] = values
+        return terms
 
     def fields(self) -> set[str]:
         """Every field path the filter reads, e.g. {'/a', '/b/c'}."""
@@ -937,15 +949,69 @@ class Filter:
 
 
 def _equality_term(node: Any) -> tuple[str, tuple] | None:
+    """(path, literals) of a `path = literal` or `path IN (literals)` term, else None."""
     if isinstance(node, Compare) and node.op == "=":
         left, right = node.left, node.right
         if isinstance(left, Lit):
             left, right = right, left
         if isinstance(left, Path) and isinstance(right, Lit):
-            return left.path, distinct_keys(index_keys(right.value))
+            return left.path, (right.value,)
     if isinstance(node, In) and not node.negated and isinstance(node.operand, Path):
-        return node.operand.path, distinct_keys(k for v in node.values for k in index_keys(v))
+        return node.operand.path, tuple(node.values)
     return None
+
+
+def key_texts_equal_to(literal: Any) -> tuple[frozenset[str], bool]:
+    """The key texts (`processor.core.keys.key_text`) of every key value `=` finds equal to
+    `literal`, and whether that holds only while no key value is a string spelling a number or
+    boolean otherwise than its key text does (`odd_key_spelling`): a number equals '05', '5.0' and
+    '5e0', each a SowKey of its own, and `true` equals 'TRUE'. A string literal equals strings
+    exactly, and the one number or boolean it may spell: its texts are whole. NULL equals nothing."""
+    kind = type(literal)
+    if literal is None:
+        return frozenset(), False
+    if kind is str:
+        texts = {literal}
+        number = _to_number(literal)
+        if number is not None:
+            texts |= _number_texts(number)
+        truth = _BOOL_TEXT.get(literal.lower())
+        if truth is not None:
+            texts.add(key_text(truth))
+        return frozenset(texts), False
+    if kind is bool:
+        return frozenset((key_text(literal),)), True
+    return frozenset(_number_texts(literal)), True
+
+
+def _number_texts(number: int | float) -> set[str]:
+    """The key texts of the numbers equal to `number`: past 2**53 an int and a float can be equal
+    with texts of their own (2**60 and 2.0**60)."""
+    texts = {key_text(number)}
+    if type(number) is float:
+        if number.is_integer():
+            texts.add(key_text(int(number)))
+    else:
+        try:
+            as_float = float(number)
+        except OverflowError:
+            return texts
+        if as_float == number:
+            texts.add(key_text(as_float))
+    return texts
+
+
+def odd_key_spelling(value: Any) -> bool:
+    """True for a key value that is a string a filter finds equal to a number or boolean whose key
+    text is another ('05', '5.0', 'TRUE'): while a partition holds none, `key_texts_equal_to` of a
+    number or boolean literal is whole there."""
+    if type(value) is not str:
+        return False
+    number = _to_number(value)
+    if number is not None:
+        return value not in _number_texts(number)
+    truth = _BOOL_TEXT.get(value.lower())
+    return truth is not None and value != key_text(truth)
 
 
 def distinct_keys(keys: Iterable) -> tuple:

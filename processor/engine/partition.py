@@ -347,6 +347,9 @@ class _TimedFilter:
     def equality_terms(self):
         return self.filter.equality_terms()
 
+    def literal_terms(self):
+        return self.filter.literal_terms()
+
     def matches(self, record: dict) -> bool:
         began = time.perf_counter()
         try:

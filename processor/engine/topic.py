@@ -68,7 +68,8 @@ class SowTopicEngine:
         self.current: InputMessage | None = None  # the input being applied (a runner's checkpoint leaves it out)
         self._owners: dict[str, int] = {}  # owner partitions of recent SowKeys: one dict look-up per input
         # What a store of this topic keeps beside its records (only topics with a capacity pay for ages).
-        self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0)
+        self.indexes = IndexSpec(tuple(tuple(i) for i in spec.hash_indexes), track_age=spec.capacity > 0,
+                                 keys=spec.key_spec if spec.key_spec.paths else None)
         # A runner whose outputs commit in transactions sets this to their timeout (seconds): a
         # delete by SowKeys or filter that took longer cannot have committed (the coordinator aborts
         # the transaction), and read again it would stall the partition the same way, for ever. It

@@ -1,8 +1,10 @@
-"""SOW queries against a worker's stores: hash-index lookups where the filter allows, else a scan.
+"""SOW queries against a worker's stores: point reads or hash-index lookups where the filter
+allows, else a scan.
 
-A filter that is a conjunction holding `path = literal` or `path IN (...)` terms on exactly the
-fields of a hash index is answered from the index: only the candidate records are read (and still
-checked against the whole filter). Anything else scans the partition.
+A filter that is a conjunction holding `path = literal` or `path IN (...)` terms on every key field
+of the topic is answered by reading the records of the SowKeys those values make (`choose_keys`);
+one with such terms on exactly the fields of a hash index, from the index. Only the candidate
+records are read, and still checked against the whole filter. Anything else scans the partition.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import MAX_FILTER_CHARS, Filter, compile_filter, format_filter
-from processor.core.keys import KeyError_, validate_user_keys
+from processor.core.keys import KeyError_, KeySpec, validate_user_keys
 from processor.core.paths import PathError, project, split_path, within
 from processor.core.sortorder import order_rows
 from processor.core.rawfilter import raw_prefilter
-from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
+from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index, choose_keys
 from processor.topology import Topology
 
 
@@ -187,14 +189,15 @@ class QueryPacer:
 class QueryPlan:
     index: int | None  # hash index number used, or None for a scan
     candidates: int = 0  # records read
+    by_key: int = 0  # partitions answered from the SowKeys the filter names (`choose_keys`)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _candidates(store: PartitionStore, query: SowQuery, choice: tuple[int, list[tuple]] | None, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
-    """A store's records the query's keys name, else those its index plan (`choose_index`) finds,
+def _candidates(store: PartitionStore, keys: Iterable[str] | None, choice: tuple[int, list[tuple]] | None, plan: QueryPlan) -> Iterator[tuple[str, SowRecord]]:
+    """A store's records of the given SowKeys, else those its index plan (`choose_index`) finds,
     else all of them."""
-    if query.keys:
-        for key in query.keys:
+    if keys is not None:
+        for key in keys:
             record = store.committed(key)
             if record is not None:
                 yield key, record
@@ -211,6 +214,23 @@ def _candidates(store: PartitionStore, query: SowQuery, choice: tuple[int, list[
                 record = store.committed(key)
                 if record is not None:
                     yield key, record
+
+
+def _named_keys(stores: list[PartitionStore], query: SowQuery, predicate: Filter | None, key_spec: KeySpec | None,
+                plan: QueryPlan) -> tuple[list[tuple[PartitionStore, Iterable[str] | None]], list[PartitionStore]]:
+    """(store, the SowKeys to read there) for the stores a query answers by SowKey (its keys, or
+    those its filter names: `choose_keys`), and the other stores. Which SowKeys a number literal
+    names depends on the store's key spellings: a store that may hold odd ones ('05') takes the
+    strict plan, or none."""
+    if query.keys:
+        return [(store, query.keys) for store in stores], []
+    if predicate is None or (loose := choose_keys(predicate, key_spec, True)) is None:
+        return [], stores
+    strict = choose_keys(predicate, key_spec, False)
+    chosen = [(store, loose if store.plain_key_spelling() else strict) for store in stores]
+    named = [(store, keys) for store, keys in chosen if keys is not None]
+    plan.by_key = len(named)
+    return named, [store for store, keys in chosen if keys is None]
 
 
 PREFILTER = True  # derive raw-bytes prefilters for scans (off only to measure what they save)
@@ -239,6 +259,7 @@ def run_query(
     policy: ExpiryPolicy = ExpiryPolicy(),
     now_ms: int | None = None,
     pacer: QueryPacer | None = None,
+    key_spec: KeySpec | None = None,
 ) -> tuple[list[dict], QueryPlan]:
     """The matching records of the given partitions as result dicts, ordered and cut to `top`.
 
@@ -247,6 +268,7 @@ def run_query(
     Records past their instant (by `policy.is_live` at `now_ms`, default now) are left out even
     when the expiry sweep has not removed them yet; the check costs one comparison per match.
     A worker passes its `pacer`, which makes the query wait at its checks while the loop has work.
+    With the topic's `key_spec`, a filter that names every key field reads only those SowKeys.
     """
     check = (limits or QueryLimits()).start(pacer=pacer)
     now = time.time_ns() // 1_000_000 if now_ms is None else now_ms
@@ -254,20 +276,21 @@ def run_query(
     plan = QueryPlan(None)
     select = selection(query, key_paths)
     rows: list[tuple[str, SowRecord]] = []
-    stores = list(stores)
-    # The plan is worked out once for all the stores (up to MAX_INDEX_LOOKUPS value tuples, sorted).
-    choice = choose_index(predicate, indexes) if predicate is not None and not query.keys else None
-    if predicate is not None and not query.keys and choice is None:
-        rows = _scan(stores, predicate, plan, check)
+    named, rest = _named_keys(list(stores), query, predicate, key_spec, plan)
+    # The index plan is worked out once for the other stores (up to MAX_INDEX_LOOKUPS value tuples).
+    choice = choose_index(predicate, indexes) if predicate is not None and rest else None
+    if predicate is not None and rest and choice is None:
+        rows = _scan(rest, predicate, plan, check)
     else:
-        mask = QueryLimits.CHECK_EVERY - 1
-        for store in stores:
-            for key, record in _candidates(store, query, choice, plan):
-                plan.candidates += 1
-                if plan.candidates & mask == 0:
-                    check(len(rows))
-                if predicate is None or predicate.matches(record.data):
-                    rows.append((key, record))
+        named += [(store, None) for store in rest]
+    mask = QueryLimits.CHECK_EVERY - 1
+    for store, keys in named:
+        for key, record in _candidates(store, keys, choice, plan):
+            plan.candidates += 1
+            if plan.candidates & mask == 0:
+                check(len(rows))
+            if predicate is None or predicate.matches(record.data):
+                rows.append((key, record))
     check(len(rows))
     if policy.active:
         rows = [row for row in rows if policy.is_live(row[1].expires_at, now)]

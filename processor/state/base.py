@@ -38,7 +38,8 @@ import orjson
 
 from processor.contract.limits import cache_records
 from processor.contract.types import SowRecord
-from processor.core.filters import distinct_keys, index_keys
+from processor.core.filters import distinct_keys, index_keys, key_texts_equal_to, odd_key_spelling
+from processor.core.keys import KeyError_, KeySpec, checksum_key
 from processor.core.paths import get_path, split_path
 
 _REC = b"r"
@@ -56,6 +57,12 @@ _END = b"\xff" * 9
 _KEY_FORMAT = "keyformat"
 _INDEXES = "indexes"  # which hash indexes, keyed which way, the `i` entries were written for
 _AGE_INDEX = "ageindex"  # 1 while the `v` entries cover every record (written with every commit since)
+# Whether a key value of the store is a string spelling a number or boolean otherwise than its key
+# text ('05', 'TRUE': `odd_key_spelling`): 0 not known (not checked yet), 1 none, 2 some. A store is
+# checked whole when opened without the mark, and each new record at commit (a removal never lowers
+# 2 again: that would need the removed records' data, which an expiry does not decode).
+_KEY_SPELLING = "keyspelling"
+_SPELLING_UNKNOWN, _SPELLING_PLAIN, _SPELLING_ODD = 0, 1, 2
 # How values become hash index keys. 2: keys told apart as hashed (`distinct_keys`), where 1 kept one
 # of True and 1, False and 0, 2**60 and 2.0**60 in a record's entries.
 INDEX_FORMAT = 2
@@ -95,6 +102,9 @@ class IndexSpec:
 
     hash_indexes: tuple[tuple[str, ...], ...] = ()
     track_age: bool = False  # only topics with a capacity pay for the age index
+    # The topic's key fields, when it has any: a filter's equality on each of them names the SowKeys
+    # it can match (`choose_keys`). The records, keyed by SowKey, are that index; it costs no entry.
+    keys: KeySpec | None = None
 
     @cached_property
     def split(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
@@ -124,6 +134,32 @@ def choose_index(predicate, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, 
     return None
 
 
+def choose_keys(predicate, keys: KeySpec | None, plain_spelling: bool) -> list[str] | None:
+    """The SowKeys a filter can match when its equality terms (`literal_terms`) name every key
+    field, as AMPS answers from the hash index it keeps over the SowKey's fields: a few point reads
+    instead of a scan. None when they do not, past MAX_INDEX_LOOKUPS combinations, or when a number
+    or boolean literal names a key field of a store that may hold odd spellings of it
+    (`key_texts_equal_to`; `plain_spelling`: the store holds none, `PartitionStore.plain_key_spelling`)."""
+    if keys is None or not keys.paths:
+        return None
+    terms = predicate.literal_terms()
+    texts: list[list[str]] = []
+    for path in keys.paths:
+        literals = terms.get(path)
+        if literals is None:
+            return None
+        found: set[str] = set()
+        for literal in literals:
+            equal, whole_if_plain = key_texts_equal_to(literal)
+            if whole_if_plain and not plain_spelling:
+                return None
+            found |= equal
+        texts.append(sorted(found))
+    if math.prod(len(t) for t in texts) > MAX_INDEX_LOOKUPS:
+        return None
+    return [checksum_key(keys.domain, list(combo)) for combo in itertools.product(*texts)]
+
+
 def _expiry_entry(instant: int, kb: bytes) -> bytes:
     """The expiry index key of a record: its instant as stored (`_instant`), then its SowKey."""
     return _EXP + _BE64.pack(instant) + kb
@@ -136,6 +172,16 @@ def _instant(expires_at: int) -> int:
     from a changelog someone else wrote can: a commit must not fail on any record, and the record
     header (signed 64 bits) and the expiry index key (unsigned) must agree on the value."""
     return min(max(expires_at, 0), 2**63 - 1)
+
+
+def _key_spelling(keys: KeySpec, record: SowRecord) -> int:
+    """_SPELLING_ODD when a key value of a new record is an odd spelling (or cannot be read: a
+    record restored from a changelog someone else wrote), else _SPELLING_PLAIN."""
+    try:
+        values = keys.key_values(record.data)
+    except KeyError_:
+        return _SPELLING_ODD
+    return _SPELLING_ODD if any(odd_key_spelling(v) for v in values) else _SPELLING_PLAIN
 
 
 def encode_record(record: SowRecord) -> bytes:
@@ -230,6 +276,7 @@ class PartitionStore:
         _OPEN.add(self)
         self._reindex_age()
         self._reindex_hash()
+        self._check_key_spelling()
 
     def _index_signature(self) -> int:
         text = orjson.dumps([INDEX_FORMAT, self.indexes.hash_indexes])
@@ -255,6 +302,18 @@ class PartitionStore:
                 self.backend.write(batch)
                 batch = self.backend.batch()
         batch.put(_META + _INDEXES.encode(), _INT.pack(signature))
+        self.backend.write(batch)
+
+    def _check_key_spelling(self) -> None:
+        """Mark a store opened without `_KEY_SPELLING` (new, or written by a release before it),
+        reading each record's key values once, as `_reindex_hash` does: then filters with number
+        literals on the key fields name SowKeys there too."""
+        keys = self.indexes.keys
+        if keys is None or self.meta(_KEY_SPELLING) != _SPELLING_UNKNOWN:
+            return
+        odd = any(_key_spelling(keys, record) == _SPELLING_ODD for _, record in self.records())
+        batch = self.backend.batch()
+        batch.put(_META + _KEY_SPELLING.encode(), _INT.pack(_SPELLING_ODD if odd else _SPELLING_PLAIN))
         self.backend.write(batch)
 
     def _reindex_age(self) -> None:
@@ -303,6 +362,11 @@ class PartitionStore:
         raw = self.backend.get(_META + name.encode())
         return default if raw is None else _INT.unpack(raw)[0]
 
+    def plain_key_spelling(self) -> bool:
+        """True while no key value of the committed records is an odd spelling of a number or
+        boolean (`_KEY_SPELLING`): then a number or boolean literal names their SowKeys."""
+        return self.meta(_KEY_SPELLING) == _SPELLING_PLAIN
+
     def key_format(self) -> int:
         """The SowKey rule (`processor.core.keys.KEY_FORMAT`) this store's records are known to
         follow: the one last stamped by `set_key_format`, else 1 (stores from before the rule was
@@ -341,7 +405,11 @@ class PartitionStore:
                 yield key
 
     def _indexed_candidates(self, predicate) -> set[str] | None:
-        """Committed SowKeys an index says may match, or None when no index covers the filter."""
+        """Committed SowKeys the key fields (`choose_keys`) or an index say may match, or None when
+        neither covers the filter."""
+        named = choose_keys(predicate, self.indexes.keys, self.plain_key_spelling())
+        if named is not None:
+            return set(named)
         choice = choose_index(predicate, self.indexes.hash_indexes)
         if choice is None:
             return None
@@ -531,6 +599,10 @@ class PartitionStore:
                 delete(k)
         count = self.meta("count")
         indexed = not self.indexes.plain  # the common case: no index but the expiry entries
+        keys = self.indexes.keys
+        spelling = was = _SPELLING_ODD if keys is None else self.meta(_KEY_SPELLING)
+        if spelling == _SPELLING_UNKNOWN and count == 0:
+            spelling = _SPELLING_PLAIN  # emptied by clear(): every record it will hold is checked below
         committed = self._committed
         # The entries this batch went through are gone once it commits: the next batch's first sweep
         # seeks past them (to the last one's instant), not over their tombstones. Entries written
@@ -550,6 +622,8 @@ class PartitionStore:
                     for entry in self._entries(kb, before):
                         delete(entry)
                 count -= 1
+            elif spelling == _SPELLING_PLAIN and after is not None:
+                spelling = _key_spelling(keys, after)
             if after is not None:
                 raw = encode_record(after)
                 put(_REC + kb, raw)
@@ -568,6 +642,8 @@ class PartitionStore:
                 count += 1
             else:
                 delete(_REC + kb)
+        if spelling != was:
+            put(_META + _KEY_SPELLING.encode(), _INT.pack(spelling))
         return PreparedCommit(batch, count, due_from, clamped)
 
     def commit(self, prepared: "PreparedCommit | None" = None) -> None:

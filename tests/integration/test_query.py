@@ -113,6 +113,15 @@ def test_indexed_queries_read_only_candidates(cluster):
         read += answer["plan"]["read"]
         assert all(r["record"]["status"] == "held" for r in answer["results"])
     assert read == 20  # only the 20 'held' records were read, not all 60
+    # A filter that names the key field reads the records of the SowKeys it names, nothing else.
+    found, read = [], 0
+    for w in workers:
+        url = f"{w['url']}/sow/{topic}?filter=" + urllib.request.quote("/id IN (7, 8) AND /status <> 'held'")
+        answer = orjson.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert answer["plan"]["by_key"] == len(answer["partitions"]) > 0 and answer["plan"]["index"] is None
+        read += answer["plan"]["read"]
+        found += [r["record"]["id"] for r in answer["results"]]
+    assert read == 2 and found == [7]  # 8 is 'held'
     # A view's name reads its topic through the view's filter and select list, as the client does.
     held, read = [], 0
     for w in workers:

@@ -621,6 +621,9 @@ def test_a_delete_by_filter_has_one_budget_for_all_the_partitions_of_a_worker(tm
         def equality_terms(self):
             return self.inner.equality_terms()
 
+        def literal_terms(self):
+            return self.inner.literal_terms()
+
         def matches(self, record):
             time.sleep(0.02)
             return self.inner.matches(record)

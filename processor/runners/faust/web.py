@@ -338,7 +338,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
         def run():
             served = worker.served(topic)
             rows, plan = run_query(worker.stores(topic), query, engine.indexes.hash_indexes, engine.key_paths, settings.limits, engine.spec.expiry,
-                                   pacer=pacer)
+                                   pacer=pacer, key_spec=engine.indexes.keys)
             return served, rows, plan
 
         try:
@@ -353,7 +353,7 @@ def install_web(worker: WorkerView, app, settings: WebSettings) -> None:
             return _json(view, {"error": str(exc)}, exc.status)
         except (FilterError, KsowError, ValueError) as exc:
             return _json(view, {"error": str(exc)}, 400)
-        body = {"worker": settings.url, "partitions": served, "plan": {"index": plan.index, "read": plan.candidates}, "results": rows}
+        body = {"worker": settings.url, "partitions": served, "plan": {"index": plan.index, "by_key": plan.by_key, "read": plan.candidates}, "results": rows}
         return _json(view, body)
 
     @app.page("/sow/{topic}")
