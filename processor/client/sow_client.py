@@ -32,7 +32,7 @@ from processor.core.changelog import MalformedSowMessage, SowMessage, parse_sow_
 from processor.core.codec import Codec, check_integers, check_nesting
 from processor.core.durations import parse_duration_ms
 from processor.core.expiry import ExpiryPolicy
-from processor.core.keys import KeyError_, validate_user_keys
+from processor.core.keys import KeyError_, owner_partition, validate_user_keys
 from processor.core.paths import within
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.kafka.clients import answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
@@ -434,9 +434,10 @@ class Client:
         """The current records of a SOW topic (or of a view: its topic through its filter and select
         list) that match the filter and keys.
 
-        Answered by the running workers over HTTP (each for its partitions; hash indexes used where
-        the filter allows); when no set of live workers covers every partition, the client reads
-        `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
+        Answered by the running workers over HTTP (each for its partitions; key fields and hash
+        indexes used where the filter allows; only the owners of the SowKeys that `keys`, or a
+        filter with string literals on every key field, names are asked); when no set of live
+        workers covers those partitions, the client reads `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
 
         A `topic` that is no SOW topic or view of the topology may be a regular expression over
         their names (matched whole, RE2's syntax as LIKE's): the records of every one it matches,
@@ -501,9 +502,11 @@ class Client:
 
     def _query_workers(self, spec: SowTopic, query: SowQuery, attempts: int = 3) -> list[dict] | None:
         params = orjson.dumps(query.to_params())
-        everything = set(range(spec.partitions))
+        everything = _partitions_asked(spec, query)
+        if not everything:
+            return []  # it names no SowKey: nothing can match (a filter `/id = NULL`)
         for attempt in range(attempts):
-            workers = [w for w in self._workers(fresh=attempt > 0) if spec.topic in w["topics"]]
+            workers = [w for w in self._workers(fresh=attempt > 0) if everything.intersection(w["topics"].get(spec.topic) or ())]
             if not workers:
                 if attempt == 0:  # the list may be from before they announced this topic: read it again
                     continue
@@ -929,6 +932,20 @@ def _apply_change(state: dict, change: SowMessage, policy: ExpiryPolicy) -> tupl
     else:
         state[key] = (after, change.seq, change.expires_at)
     return op, key, change.seq, before[0] if before else None, after, change.expires_at
+
+
+def _partitions_asked(spec: SowTopic, query: SowQuery) -> set[int]:
+    """The partitions whose workers a query asks: the owners of the SowKeys it names (its keys, or
+    those its filter names in every partition: `choose_keys`), else all of them."""
+    named = query.keys or None
+    if not named and query.filter:
+        from processor.core.filters import compile_filter
+        from processor.core.keyplan import choose_keys
+
+        named = choose_keys(compile_filter(query.filter), spec.key_spec, False)
+    if named is None:
+        return set(range(spec.partitions))
+    return {owner_partition(key, spec.partitions) for key in named}
 
 
 def _as_answered(workers: list[dict], ask: Callable[[dict], Any]) -> Iterator[tuple[dict, Any]]:

@@ -14,6 +14,7 @@ import os
 from processor.contract.errors import ConfigError
 
 MAX_DELETE_KEYS = 10_000  # SowKeys in one sow_delete's sow-keys header
+MAX_INDEX_LOOKUPS = 4096  # value combinations (or SowKeys) an index or key plan may look up (about 10 us each); past it, a scan
 QUERY_MAX_ROWS = 100_000  # records one HTTP query may return
 QUERY_MAX_SECONDS = 10.0  # time one HTTP query may take on a worker
 READ_IDLE_TIMEOUT_S = 60.0  # reading a topic to its end gives up after this long without progress

@@ -22,6 +22,8 @@ from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import MalformedSowMessage, sow_change
 from processor.core.codec import Codec
 from processor.core.commands import header_map, parse_command
+from processor.core.filters import compile_filter
+from processor.core.keyplan import choose_keys
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
 from processor.engine.partition import DeleteBudget, PartitionState, SowPartition
@@ -218,13 +220,15 @@ class SowTopicEngine:
                 self._too_slow.add(where)
 
     def _delete(self, msg: InputMessage, cmd: SowCommand, default: Command, published: int, came: int, now: int, out: list) -> None:
-        """A delete by SowKeys or filter: applied by every owner of what it names (`handle_one`)."""
+        """A delete by SowKeys or filter: applied by every owner of what it names (`handle_one`), every
+        partition for a filter that names no SowKeys."""
         partitions = self.partitions
         n = self.spec.partitions
         if msg.topic == self.streams.repartition and _is_local(msg):  # a delete another worker fanned out: for this partition, as of when it was sent
             partitions[msg.partition].delete(cmd, now, out, sent_at=published)
             return
-        # Each key is deleted by the partition that owns it; a filter by every partition. The
+        # Each key is deleted by the partition that owns it; a filter by every partition, or by the
+        # owners of the SowKeys it names when it names some in every partition (`choose_keys`). The
         # partitions here go first: a long delete may commit part of its work and, after a crash,
         # be applied again (engine.partition.checkpoint), so the copies for other owners are sent
         # last, once, in the transaction that commits this input.
@@ -233,7 +237,8 @@ class SowTopicEngine:
         # a fanned-out copy, what changed after the delete's place in the order (its sort time, not
         # its own stamp, which can be behind what its partition applied before it) is not the
         # delete's to remove. The copies carry that place as their timestamp.
-        owners = {self._owner(key) for key in cmd.keys} if cmd.keys else set(range(n))
+        named = cmd.keys or choose_keys(compile_filter(cmd.filter or "1=1"), self.spec.key_spec, False)
+        owners = set(range(n)) if named is None else {self._owner(key) for key in named}
         if not owners.isdisjoint(self.restoring):
             raise _Held
         budget = None if cmd.keys else DeleteBudget(delete_filter_seconds())  # one filter budget for all of them
@@ -248,9 +253,8 @@ class SowTopicEngine:
                 if owner not in partitions:
                     out.append(self._reroute(msg, default, owner, key.encode(), (H.KEYS, key.encode()), came))
         else:
-            for q in range(n):
-                if q not in partitions:
-                    out.append(self._reroute(msg, default, q, msg.key, None, came))
+            for q in sorted(owners - partitions.keys()):
+                out.append(self._reroute(msg, default, q, msg.key, None, came))
 
     def _owner(self, key: str) -> int:
         """The partition that owns a SowKey. murmur2 is pure Python (~3 us a call) and SowKeys

@@ -23,7 +23,8 @@ from processor.core.keys import KeyError_, KeySpec, validate_user_keys
 from processor.core.paths import PathError, project, split_path, within
 from processor.core.sortorder import order_rows
 from processor.core.rawfilter import raw_prefilter
-from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index, choose_keys
+from processor.core.keyplan import choose_keys
+from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
 from processor.topology import Topology
 
 

@@ -36,10 +36,11 @@ from typing import Iterator, Protocol
 
 import orjson
 
-from processor.contract.limits import cache_records
+from processor.contract.limits import MAX_INDEX_LOOKUPS, cache_records
 from processor.contract.types import SowRecord
-from processor.core.filters import distinct_keys, index_keys, key_texts_equal_to, odd_key_spelling
-from processor.core.keys import KeyError_, KeySpec, checksum_key
+from processor.core.filters import distinct_keys, index_keys, odd_key_spelling
+from processor.core.keyplan import choose_keys
+from processor.core.keys import KeyError_, KeySpec
 from processor.core.paths import get_path, split_path
 
 _REC = b"r"
@@ -116,7 +117,6 @@ class IndexSpec:
         return not self.hash_indexes and not self.track_age
 
 
-MAX_INDEX_LOOKUPS = 4096  # value combinations an index plan may look up (about 10 us each); past it, a scan
 
 
 def choose_index(predicate, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, list[tuple]] | None:
@@ -132,32 +132,6 @@ def choose_index(predicate, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, 
         if all(p in terms for p in paths) and math.prod(len(terms[p]) for p in paths) <= MAX_INDEX_LOOKUPS:
             return no, list(itertools.product(*(sorted(terms[p], key=repr) for p in paths)))
     return None
-
-
-def choose_keys(predicate, keys: KeySpec | None, plain_spelling: bool) -> list[str] | None:
-    """The SowKeys a filter can match when its equality terms (`literal_terms`) name every key
-    field, as AMPS answers from the hash index it keeps over the SowKey's fields: a few point reads
-    instead of a scan. None when they do not, past MAX_INDEX_LOOKUPS combinations, or when a number
-    or boolean literal names a key field of a store that may hold odd spellings of it
-    (`key_texts_equal_to`; `plain_spelling`: the store holds none, `PartitionStore.plain_key_spelling`)."""
-    if keys is None or not keys.paths:
-        return None
-    terms = predicate.literal_terms()
-    texts: list[list[str]] = []
-    for path in keys.paths:
-        literals = terms.get(path)
-        if literals is None:
-            return None
-        found: set[str] = set()
-        for literal in literals:
-            equal, whole_if_plain = key_texts_equal_to(literal)
-            if whole_if_plain and not plain_spelling:
-                return None
-            found |= equal
-        texts.append(sorted(found))
-    if math.prod(len(t) for t in texts) > MAX_INDEX_LOOKUPS:
-        return None
-    return [checksum_key(keys.domain, list(combo)) for combo in itertools.product(*texts)]
 
 
 def _expiry_entry(instant: int, kb: bytes) -> bytes:
@@ -181,7 +155,10 @@ def _key_spelling(keys: KeySpec, record: SowRecord) -> int:
         values = keys.key_values(record.data)
     except KeyError_:
         return _SPELLING_ODD
-    return _SPELLING_ODD if any(odd_key_spelling(v) for v in values) else _SPELLING_PLAIN
+    for value in values:
+        if type(value) is str and odd_key_spelling(value):
+            return _SPELLING_ODD
+    return _SPELLING_PLAIN
 
 
 def encode_record(record: SowRecord) -> bytes:

@@ -178,7 +178,7 @@ class _Workers:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         self.servers.append(server)
-        return {"url": f"http://127.0.0.1:{server.server_address[1]}", "topics": ["orders"]}
+        return {"url": f"http://127.0.0.1:{server.server_address[1]}", "topics": {"orders": partitions}}
 
     def stop(self) -> None:
         for server in self.servers:
@@ -516,6 +516,6 @@ def test_a_query_ordered_by_a_field_it_does_not_select_is_ordered_by_that_field(
         return {"partitions": [half], "results": [result(k, r, select) for k, r in rows]}
 
     monkeypatch.setattr(sow_client, "_http_json", answer)
-    monkeypatch.setattr(client, "_workers", lambda fresh=False: [{"url": f"http://w{p}", "topics": ["t"]} for p in (0, 1)])
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [{"url": f"http://w{p}", "topics": {"t": [p]}} for p in (0, 1)])
     rows = client.query("t", select=["/s"], order_by="/n/q DESC", top=2)
     assert client.last_query_source == "workers" and [row.record for row in rows] == wanted

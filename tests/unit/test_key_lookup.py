@@ -9,7 +9,7 @@ from processor.core.filters import compile_filter, key_texts_equal_to, odd_key_s
 from processor.core.keys import KeySpec, checksum_key
 from processor.query.engine import SowQuery, run_query
 from processor.state import IndexSpec, open_partition_store
-from processor.state.base import choose_keys
+from processor.core.keyplan import choose_keys
 
 SPEC = KeySpec("orders", ("/id",))
 PAIR = KeySpec("fills", ("/desk", "/n"))
@@ -150,3 +150,37 @@ def test_a_delete_by_filter_reads_only_the_named_records(store_of):
     assert list(store.matching(compile_filter("/id IN (3, 4) AND /qty = 3"))) == [SPEC.sow_key({"id": 3})]
     store.stage(SPEC.sow_key({"id": 60}), SowRecord({"id": 60, "qty": 3}, 99))  # staged: seen too
     assert sorted(store.matching(compile_filter("/id IN (3, 60) AND /qty = 3"))) == sorted(SPEC.sow_key({"id": i}) for i in (3, 60))
+
+
+def test_the_client_asks_only_the_workers_of_the_partitions_a_query_names(monkeypatch):
+    """With SowKeys named in every partition (a string literal on the key field, or the query's
+    keys), the client asks the workers that own them; a number literal may match other spellings
+    anywhere, so it asks them all. A query that names no SowKey asks nobody."""
+    from processor.client import sow_client
+    from processor.client.sow_client import Client
+    from processor.core.keys import owner_partition
+    from processor.topology import parse_topology
+
+    topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 4}]})
+    spec = topology.topic("orders").key_spec
+    asked: list[int] = []
+
+    def answer(url, token, tls, timeout, body):
+        p = int(url.split("/")[2][1:])
+        asked.append(p)
+        return {"partitions": [p], "results": []}
+
+    client = Client("127.0.0.1:1", topology)
+    monkeypatch.setattr(sow_client, "_http_json", answer)
+    monkeypatch.setattr(client, "_workers", lambda fresh=False: [{"url": f"http://w{p}", "topics": {"orders": [p]}} for p in range(4)])
+    owners = sorted({owner_partition(spec.sow_key({"id": i}), 4) for i in ("A-7", "B-9")})
+    assert client.query("orders", filter="/id IN ('A-7', 'B-9') AND /qty > 0") == [] and client.last_query_source == "workers"
+    assert sorted(asked) == owners and len(owners) < 4
+    asked.clear()
+    client.query("orders", keys=[spec.sow_key({"id": "A-7"})])
+    assert asked == [owner_partition(spec.sow_key({"id": "A-7"}), 4)]
+    asked.clear()
+    client.query("orders", filter="/id = 7")
+    assert sorted(asked) == [0, 1, 2, 3]
+    asked.clear()
+    assert client.query("orders", filter="/id = NULL") == [] and asked == []

@@ -57,7 +57,7 @@ def every_path(records: dict[str, dict], query: SowQuery, monkeypatch, seed: int
 
     client = Client("127.0.0.1:1", TOPOLOGY)
     monkeypatch.setattr(sow_client, "_http_json", answer)
-    workers = [{"url": f"http://w{p}", "topics": ["o.a", "o.b"]} for p in (2, 0, 1)]
+    workers = [{"url": f"http://w{p}", "topics": {"o.a": [p], "o.b": [p]}} for p in (2, 0, 1)]
     monkeypatch.setattr(client, "_workers", lambda fresh=False: workers)
     options = dict(filter=query.filter, top=query.top, order_by=query.order_by)
     merged = [entry.sow_key for entry in client.query("o.a", **options)]

@@ -313,6 +313,24 @@ def test_a_filter_delete_applies_at_local_partitions_and_fans_out_to_the_others(
     assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 4
 
 
+def test_a_filter_delete_that_names_sowkeys_goes_only_to_their_owners(tmp_path):
+    """`/id IN ('3', '6')` can match only the records of two SowKeys, in every partition: the
+    partitions that own neither get no copy. A number literal can also match a string spelled
+    otherwise ('03'), whose SowKey is another: that delete still goes everywhere."""
+    a, b = two_workers(tmp_path)
+    records = [{"id": i, "s": "open"} for i in range(12)]
+    load(a, b, records)
+    owners = {owner_partition(key_of(a, {"id": i}), N) for i in (3, 6)}
+    out = run(a, [InputMessage("orders", 0, 0, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id IN ('3', '6') AND /s = 'open'")], 2_000)])
+    rerouted = [r for r in out if r.topic == "orders.repartition"]
+    assert sorted(r.partition for r in rerouted) == sorted(owners - {0, 1})
+    out += run(b, [InputMessage(r.topic, r.partition, 0, r.key, r.value, r.headers, r.timestamp) for r in rerouted])
+    assert sorted(orjson.loads(r.value)["id"] for r in out if r.topic == "orders.diff") == [3, 6]
+    assert sum(w.stores[p].count() for w in (a, b) for p in w.stores) == 10
+    out = run(a, [InputMessage("orders", 0, 1, None, None, [("sow-command", b"sow_delete"), ("sow-filter", b"/id = 4")], 3_000)])
+    assert sorted(r.partition for r in out if r.topic == "orders.repartition") == [2, 3]
+
+
 def test_a_fanned_out_delete_arriving_late_keeps_what_was_published_after_it(tmp_path):
     """Another worker's copy of a delete by filter reaches b after b applied a publish sent later
     than the delete: that record stays; the ones last changed before the delete go. The same holds
