@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from processor.client.sow_client import Client
@@ -145,7 +146,12 @@ def test_delete_by_filter_reports_the_count_and_emits_deletes(cluster, kafka_boo
     wait_until(lambda: len(client.query(topic)) == 40)
     deletes = [m for m in read_all(kafka_bootstrap, f"{topic}.diff") if headers_of(m)["sow-op"] == "delete"]
     assert len(deletes) == 20
-    assert client.delete(topic, filter="1=1", wait=30) == 40
+    # A filter that names SowKeys goes to their owners only (and reads only their records there).
+    assert client.delete(topic, filter="/id IN ('3', '5', '6', '7') AND /status <> 'held'", wait=30) == 2  # 5 is held, 7 was done
+    wait_until(lambda: len(client.query(topic)) == 38)
+    deletes = [m for m in read_all(kafka_bootstrap, f"{topic}.diff") if headers_of(m)["sow-op"] == "delete"]
+    assert sorted(orjson.loads(m.value())["id"] for m in deletes) == sorted([i for i in range(60) if i % 3 == 1] + [3, 6])
+    assert client.delete(topic, filter="1=1", wait=30) == 38
     wait_until(lambda: client.query(topic) == [])
 
 
