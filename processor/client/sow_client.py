@@ -437,7 +437,8 @@ class Client:
         Answered by the running workers over HTTP (each for its partitions; key fields and hash
         indexes used where the filter allows; only the owners of the SowKeys that `keys`, or a
         filter with string literals on every key field, names are asked); when no set of live
-        workers covers those partitions, the client reads `<topic>.sow` itself. `self.last_query_source` says which ("workers" or "changelog").
+        workers covers those partitions, the client reads `<topic>.sow` itself.
+        `self.last_query_source` says which ("workers" or "changelog").
 
         A `topic` that is no SOW topic or view of the topology may be a regular expression over
         their names (matched whole, RE2's syntax as LIKE's): the records of every one it matches,
