@@ -240,8 +240,10 @@ def test_worker_pool_splits_restarts_and_stops(setup, kafka_bootstrap, tmp_path,
 
         wait_until(members, timeout=90, interval=1)
         assert sorted(p.name for p in (tmp_path / "pool").glob("worker-*")) == ["worker-0", "worker-1"]
-        # One tree of stores for the pool (README): the workers' own folders hold none.
-        assert sorted(p.name for p in (tmp_path / "pool" / "sow" / topic).iterdir()) == ["p0", "p1", "p2", "p3"]
+        # One tree of stores for the pool (README): the workers' own folders hold none. A worker opens
+        # a store when its loop takes the assignment, which the group shows a moment before.
+        stores = tmp_path / "pool" / "sow" / topic
+        wait_until(lambda: stores.is_dir() and sorted(p.name for p in stores.iterdir()) == ["p0", "p1", "p2", "p3"], timeout=30, interval=0.2)
         assert not list((tmp_path / "pool").glob("worker-*/sow"))
         ops = _history(200, 3000, seed=3)
         _publish_strict(client, topic, ops[:1500])
