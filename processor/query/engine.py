@@ -19,11 +19,11 @@ from processor.contract.limits import query_max_rows, query_max_seconds
 from processor.contract.types import SowRecord
 from processor.core.expiry import ExpiryPolicy
 from processor.core.filters import MAX_FILTER_CHARS, Filter, compile_filter, format_filter
+from processor.core.keyplan import choose_keys
 from processor.core.keys import KeyError_, KeySpec, validate_user_keys
 from processor.core.paths import PathError, project, split_path, within
 from processor.core.sortorder import order_rows
 from processor.core.rawfilter import raw_prefilter
-from processor.core.keyplan import choose_keys
 from processor.state.base import RECORD_HEADER_SIZE, PartitionStore, choose_index
 from processor.topology import Topology
 

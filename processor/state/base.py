@@ -117,8 +117,6 @@ class IndexSpec:
         return not self.hash_indexes and not self.track_age
 
 
-
-
 def choose_index(predicate, indexes: tuple[tuple[str, ...], ...]) -> tuple[int, list[tuple]] | None:
     """(index number, value tuples to look up) for the first hash index whose fields the filter's
     equality terms cover, or None: then the filter reads every record. `IN` lists over the fields of
