@@ -1,9 +1,11 @@
 """The worker's own answers to hostile state and input on a real broker: a `.sow` changelog deleted
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
-(refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore)."""
+(refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore), the
+broker itself crashing under a stream of inputs."""
 
 from __future__ import annotations
 
+import time
 
 import orjson
 import pytest
@@ -211,3 +213,62 @@ def test_a_setting_the_cluster_refuses_stops_the_worker_with_one_line(kafka_boot
     log = worker.log()
     assert log.count("refuses this worker's settings") == 1 and "KSOW_SESSION_TIMEOUT_MS must be within" in log
     assert "Traceback" not in log and "Crashed" not in log
+
+
+def test_a_worker_rides_out_a_broker_crash_and_applies_and_expires_each_input_once(tmp_path, monkeypatch):
+    """The broker is SIGKILLed while inputs stream in and a batch is open, and comes back 15 s later
+    (past the session and transaction timeouts): the worker does not exit, and every output topic,
+    read_committed, tells each input and each expiry exactly once. A broker of the test's own, on a
+    data folder it can restart on (the session's broker must not go down)."""
+    import socket
+    import threading
+    from collections import Counter
+
+    from confluent_kafka import Producer
+
+    from processor.kafka.embedded import EmbeddedKafka
+
+    monkeypatch.setenv("KSOW_REGISTRY_TOPIC", "__ksow_workers_outage")  # this broker has no other worker
+    with socket.socket() as s:  # the port the broker comes back on: the worker keeps its address
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kafka = EmbeddedKafka(port=port, data_dir=tmp_path / "kafka").start()
+    bootstrap = kafka.bootstrap
+    path = write_topology(tmp_path, "outage", expiration="enabled")
+    spec = load_topology(path).sow[0]
+    worker = WorkerProcess(bootstrap, path, "g-outage", tmp_path / "d", "w").start()
+    n, keys, expiring = 3_000, 50, 20
+    try:
+        publisher = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True, "logger": None})
+        for i in range(expiring):  # due 8 s after they are applied: while the broker is down
+            publisher.produce(spec.topic, orjson.dumps({"id": f"x{i}"}), f"x{i}".encode(), headers=[("sow-expiration", b"8s")])
+
+        def stream():  # ~15 s of inputs, each changing its record; the publisher retries through the outage
+            for i in range(n):
+                publisher.produce(spec.topic, orjson.dumps({"id": i % keys, "v": i}), str(i % keys).encode())
+                publisher.poll(0)
+                time.sleep(0.005)
+            publisher.flush(300)
+
+        sender = threading.Thread(target=stream)
+        sender.start()
+        time.sleep(4)
+        kafka.process.kill()
+        kafka.process.wait()
+        time.sleep(15)
+        kafka = EmbeddedKafka(port=port, data_dir=tmp_path / "kafka").start()
+        sender.join()
+        assert publisher.flush(60) == 0
+        wait_until(lambda: len(read_topic(bootstrap, spec.diff_topic, range(4))) >= n + 2 * expiring, 180, "every input and expiry told")
+        time.sleep(3)  # a repeated event would show by now
+        told = Counter((dict(m.headers())["sow-op"].decode(), m.value()) for m in read_topic(bootstrap, spec.diff_topic, range(4)))
+        assert {event: c for event, c in told.items() if c > 1} == {}
+        assert sorted(v for (_, value) in told if (v := orjson.loads(value).get("v")) is not None) == list(range(n))
+        assert Counter(op for op, _ in told) == {"insert": keys + expiring, "update": n - keys, "expire": expiring}
+        expired = Counter(m.key() for m in read_topic(bootstrap, f"EXP.{spec.topic}", range(4)))
+        assert len(expired) == expiring and set(expired.values()) == {1}
+        assert _sow(bootstrap, spec) == {spec.key_spec.sow_key({"id": k}).encode(): {"id": k, "v": n - keys + k} for k in range(keys)}
+        assert worker.proc.poll() is None, worker.log()[-3000:]
+    finally:
+        worker.kill()
+        kafka.stop()
