@@ -279,13 +279,18 @@ def ensure_topics(
 
 
 def check_partitions(admin: AdminClient, spec: SowTopic) -> None:
-    """`<topic>` and `<topic>.delta` must have the topology's partition count (ownership depends on it)."""
+    """A SOW topic's Kafka topics must have the topology's partition count: a SowKey's owner is its
+    hash modulo that count, and the group's range assignor gives partition p of each input to the
+    worker that owns SOW partition p. Checked at start and at every assignment (partitions added to
+    an input under running workers)."""
     meta = admin.list_topics(timeout=30).topics
     for name in (spec.topic, spec.delta_topic, spec.sow_topic, spec.repartition_topic):
-        count = len(meta[name].partitions)
+        count = len(meta[name].partitions) if name in meta else spec.partitions  # missing: ensure_topics' to make
         if count != spec.partitions:
-            raise RuntimeError(
-                f"topic {name} has {count} partitions but the topology says partitions: {spec.partitions} for {spec.topic}"
+            raise ConfigError(
+                f"topic {name} has {count} partitions but the topology says partitions: {spec.partitions} for {spec.topic}; "
+                "a SowKey's partition depends on that count, and partitions cannot be taken back from a topic: "
+                "name new topics in the topology (README, \"SowKeys and partitions\")"
             )
 
 

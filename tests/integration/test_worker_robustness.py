@@ -215,6 +215,38 @@ def test_a_setting_the_cluster_refuses_stops_the_worker_with_one_line(kafka_boot
     assert "Traceback" not in log and "Crashed" not in log
 
 
+def test_partitions_added_to_an_input_under_a_running_worker_stop_it_with_one_line(kafka_bootstrap, unique_name, tmp_path, admin):
+    """An operator raises `<topic>` from 4 partitions to 8 while a worker runs. No SOW partition owns
+    what lands on the new ones, and the range assignor would give `<topic>[p]` and `.delta[p]` to
+    different workers: the worker stops at the assignment that brings them, before applying
+    anything (it stalled every 30 s before, on a `.sow` partition that does not exist), and one
+    started again refuses at once, both in one line and with exit status 1."""
+    from confluent_kafka.admin import NewPartitions
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    env = {"KAFKA_TOPIC_METADATA_REFRESH_INTERVAL_MS": "2000"}  # librdkafka sees new partitions at its next refresh: 5 min by default
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env=env).start()
+    try:
+        client = Client(kafka_bootstrap, load_topology(path))
+        client.publish(spec.topic, {"id": 1})
+        client.flush()
+        wait_until(lambda: read_topic(kafka_bootstrap, spec.diff_topic, range(4)), 60, "the first record applied")
+        for future in admin.create_partitions([NewPartitions(spec.topic, 8)]).values():
+            future.result()
+        assert worker.proc.wait(90) == 1
+    finally:
+        worker.kill()
+    said = f"topic {spec.topic} has 8 partitions but the topology says partitions: 4 for {spec.topic}"
+    assert worker.log().count(said) == 1 and "Traceback" not in worker.log()
+    again = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "again", env=env).start(wait=False)
+    try:
+        assert again.proc.wait(90) == 1
+    finally:
+        again.kill()
+    assert again.log().count(said) == 1 and "Traceback" not in again.log()
+
+
 def test_a_worker_rides_out_a_broker_crash_and_applies_and_expires_each_input_once(tmp_path, monkeypatch):
     """The broker is SIGKILLed while inputs stream in and a batch is open, and comes back 15 s later
     (past the session and transaction timeouts): the worker does not exit, and every output topic,

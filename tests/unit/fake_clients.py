@@ -169,7 +169,8 @@ class ScriptedAdmin:
 
 def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) -> tuple[SowLoop, ScriptedConsumer, list[ScriptedProducer]]:
     """A loop for one SOW topic `orders` of one partition over scripted clients; the consumers it
-    makes to read its own topics find them empty, and they are never deleted and created again."""
+    makes to read its own topics find them empty, they are never deleted and created again, and
+    they have the partitions the topology says."""
     consumer = ScriptedConsumer()
     producers: list[ScriptedProducer] = []
 
@@ -183,6 +184,7 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     admin = ScriptedAdmin()
     monkeypatch.setattr(loop_module, "make_admin", lambda bootstrap, **config: admin)
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
+    monkeypatch.setattr(loop_module, "check_partitions", lambda admin, spec: None)  # the topology's partition counts
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

@@ -54,7 +54,7 @@ from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import delete_retention_ms, end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
+from processor.kafka.clients import check_partitions, delete_retention_ms, end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
 from processor.runners.faust import metrics
 from processor.runners.faust.stores import open_store
 from processor.state.base import PartitionStore, open_partition_store
@@ -614,6 +614,7 @@ class SowLoop:
         last transaction may still be open (a stalled worker), and then the offsets it is committing
         are not known yet. Waiting for it to end (committed, or aborted by the coordinator after its
         transaction timeout) keeps a late commit from being applied twice."""
+        self._check_partitions(partitions)
         new_tasks = []
         for tp in partitions:
             owner = self._by_input.get(tp.topic)
@@ -643,6 +644,23 @@ class SowLoop:
         for task in self.tasks.values():
             self._waiting_since.pop(task.engine.spec.topic, None)
         log.info("assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in committed))
+
+    def _check_partitions(self, partitions: list[TopicPartition]) -> None:
+        """Partitions added to an input topic under running workers (a worker refuses to start on
+        them): the group assigns them, no SOW partition owns what lands there, and the range
+        assignor no longer gives `<topic>`, `.delta` and `.repartition` of one partition to one
+        worker (two workers would write one SOW partition). Stop before any of it is applied:
+        ConfigError, one line, exit status 1 (as at start)."""
+        engines = {self._by_input[tp.topic][0] for tp in partitions if tp.topic in self._by_input}
+        if not engines:
+            return
+        if self._admin is None:
+            self._admin = make_admin(self.bootstrap)
+        try:
+            for engine in engines:
+                check_partitions(self._admin, engine.spec)
+        except KafkaException as exc:  # a slow broker must not fail the assignment: the check is a safety net
+            log.warning("could not check the input topics' partition counts: %s", exc)
 
     def _remember_committed(self, committed: list[TopicPartition]) -> None:
         self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
