@@ -1,7 +1,8 @@
 """The worker's own answers to hostile state and input on a real broker: a `.sow` changelog deleted
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
-(refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore), the
-broker itself crashing under a stream of inputs."""
+(refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
+partitions added to an input topic under a running worker (it stops, in one line), the broker
+itself crashing under a stream of inputs."""
 
 from __future__ import annotations
 
