@@ -6,7 +6,7 @@ import logging
 import operator
 import os
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -278,13 +278,13 @@ def ensure_topics(
     raise TimeoutError(f"topics not visible after {timeout}s: {sorted(wanted)}")
 
 
-def check_partitions(admin: AdminClient, spec: SowTopic) -> None:
-    """A SOW topic's Kafka topics must have the topology's partition count: a SowKey's owner is its
-    hash modulo that count, and the group's range assignor gives partition p of each input to the
-    worker that owns SOW partition p. Checked at start and at every assignment (partitions added to
-    an input under running workers)."""
+def check_partitions(admin: AdminClient, specs: Iterable[SowTopic]) -> None:
+    """Each SOW topic's Kafka topics must have the topology's partition count: a SowKey's owner is
+    its hash modulo that count, and the group's range assignor gives partition p of each input to
+    the worker that owns SOW partition p. Checked at start and at every assignment (partitions added
+    to an input under running workers), from one metadata request for all of them."""
     meta = admin.list_topics(timeout=30).topics
-    for name in (spec.topic, spec.delta_topic, spec.sow_topic, spec.repartition_topic):
+    for spec, name in ((spec, name) for spec in specs for name in (spec.topic, spec.delta_topic, spec.sow_topic, spec.repartition_topic)):
         count = len(meta[name].partitions) if name in meta else spec.partitions  # missing: ensure_topics' to make
         if count != spec.partitions:
             raise ConfigError(

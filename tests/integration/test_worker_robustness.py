@@ -253,18 +253,16 @@ def test_a_worker_rides_out_a_broker_crash_and_applies_and_expires_each_input_on
     (past the session and transaction timeouts): the worker does not exit, and every output topic,
     read_committed, tells each input and each expiry exactly once. A broker of the test's own, on a
     data folder it can restart on (the session's broker must not go down)."""
-    import socket
     import threading
     from collections import Counter
 
     from confluent_kafka import Producer
 
     from processor.kafka.embedded import EmbeddedKafka
+    from processor.runners.faust.worker import free_port
 
     monkeypatch.setenv("KSOW_REGISTRY_TOPIC", "__ksow_workers_outage")  # this broker has no other worker
-    with socket.socket() as s:  # the port the broker comes back on: the worker keeps its address
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the port the broker comes back on: the worker keeps its address
     kafka = EmbeddedKafka(port=port, data_dir=tmp_path / "kafka").start()
     bootstrap = kafka.bootstrap
     path = write_topology(tmp_path, "outage", expiration="enabled")

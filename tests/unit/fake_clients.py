@@ -184,7 +184,7 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     admin = ScriptedAdmin()
     monkeypatch.setattr(loop_module, "make_admin", lambda bootstrap, **config: admin)
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
-    monkeypatch.setattr(loop_module, "check_partitions", lambda admin, spec: None)  # the topology's partition counts
+    monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs: None)  # the topology's partition counts
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

@@ -657,8 +657,7 @@ class SowLoop:
         if self._admin is None:
             self._admin = make_admin(self.bootstrap)
         try:
-            for engine in engines:
-                check_partitions(self._admin, engine.spec)
+            check_partitions(self._admin, [engine.spec for engine in engines])
         except KafkaException as exc:  # a slow broker must not fail the assignment: the check is a safety net
             log.warning("could not check the input topics' partition counts: %s", exc)
 

@@ -148,8 +148,7 @@ class SowWorker:
         replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
         ensure_topics(admin, wanted, **replication)
         ensure_registry(admin, **replication)
-        for engine in self.loop.engines.values():
-            check_partitions(admin, engine.spec)
+        check_partitions(admin, [engine.spec for engine in self.loop.engines.values()])
 
     def run(self, loglevel: str = "info") -> None:
         """Run until stopped (SIGINT/SIGTERM); exits the process like any Faust worker."""
