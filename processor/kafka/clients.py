@@ -133,6 +133,9 @@ def make_producer(bootstrap: str, **overrides) -> Producer:
         "acks": "all",
         "queue.buffering.max.messages": 1_000_000,
         "partitioner": "murmur2_random",  # the Java client's default: a SowKey lands on its owner partition
+        # ksow creates its topics itself: one a produce made the broker create (auto.create.topics.enable)
+        # would have the broker's partition count and settings (a `.sow` not compacted), not the topology's.
+        "allow.auto.create.topics": False,
     }
     return Producer(_client_config(bootstrap, defaults, overrides))
 
@@ -231,8 +234,9 @@ def ensure_topics(
     timeout: float = 30.0,
     replication_factor: int | None = None,
     min_insync_replicas: int | None = None,
-) -> None:
+) -> list[str]:
     """Create missing topics (existing ones are left as they are), then wait until all are visible.
+    Returns the names of those it created.
 
     New topics get `replication_settings` (the arguments, e.g. from the topology; env
     KSOW_REPLICATION_FACTOR and KSOW_MIN_INSYNC_REPLICAS override them) unless their configs
@@ -273,17 +277,17 @@ def ensure_topics(
     while time.monotonic() < deadline:
         meta = admin.list_topics(timeout=timeout).topics
         if all(name in meta and len(meta[name].partitions) >= n for name, (n, _) in wanted.items()):
-            return
+            return sorted(missing)
         time.sleep(0.1)
     raise TimeoutError(f"topics not visible after {timeout}s: {sorted(wanted)}")
 
 
-def check_partitions(admin: AdminClient, specs: Iterable[SowTopic]) -> None:
+def check_partitions(admin: AdminClient, specs: Iterable[SowTopic], timeout: float = 30.0) -> None:
     """Each SOW topic's Kafka topics must have the topology's partition count: a SowKey's owner is
     its hash modulo that count, and the group's range assignor gives partition p of each input to
     the worker that owns SOW partition p. Checked at start and at every assignment (partitions added
     to an input under running workers), from one metadata request for all of them."""
-    meta = admin.list_topics(timeout=30).topics
+    meta = admin.list_topics(timeout=timeout).topics
     for spec, name in ((spec, name) for spec in specs for name in (spec.topic, spec.delta_topic, spec.sow_topic, spec.repartition_topic)):
         count = len(meta[name].partitions) if name in meta else spec.partitions  # missing: ensure_topics' to make
         if count != spec.partitions:

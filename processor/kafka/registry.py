@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import orjson
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from processor.kafka.clients import answered_metadata, end_offsets, ensure_topics, make_consumer, raise_if_refused, read_until, topic_refused
+from processor.kafka.clients import answered_metadata, end_offsets, make_consumer, raise_if_refused, read_until, topic_refused
 
 log = logging.getLogger("ksow.registry")
 
@@ -28,13 +28,7 @@ REGISTRY_WAIT_S = 3.0  # for the cluster to answer a reader of the registry
 STALE_MS = 12_000
 
 
-def ensure_registry(admin, replication_factor: int | None = None, min_insync_replicas: int | None = None) -> None:
-    ensure_topics(
-        admin,
-        {REGISTRY_TOPIC: (1, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})},
-        replication_factor=replication_factor,
-        min_insync_replicas=min_insync_replicas,
-    )
+REGISTRY_TOPICS = {REGISTRY_TOPIC: (1, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"})}  # as ensure_topics takes them
 
 
 def announcement(group: str, url: str, served: dict[str, list[int]], token: str | None = None,

@@ -1,8 +1,9 @@
 """The worker's own answers to hostile state and input on a real broker: a `.sow` changelog deleted
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
-partitions added to an input topic under a running worker (it stops, in one line), the broker
-itself crashing under a stream of inputs."""
+partitions added to an input topic under a running worker (it stops, in one line), output topics
+deleted under a running worker (created again, nothing lost or repeated), the broker itself
+crashing under a stream of inputs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from processor.kafka.clients import ensure_topics, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
 
-from .workers import write_topology
+from .workers import headers_of, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -246,6 +247,44 @@ def test_partitions_added_to_an_input_under_a_running_worker_stop_it_with_one_li
     finally:
         again.kill()
     assert again.log().count(said) == 1 and "Traceback" not in again.log()
+
+
+def test_output_topics_deleted_under_a_running_worker_are_created_again_and_nothing_is_lost(kafka_bootstrap, unique_name, tmp_path, admin):
+    """An operator (or a clean-up script) deletes `.diff` and the `.sow` changelog while a worker
+    runs. Every batch aborted on them, forever (seen: an abort every 0.3 s, nothing applied). The
+    worker creates them again as at start and redoes the batch: the new `.diff` holds each later
+    input's event once, and the store, kept, is re-seeded into the new `.sow`."""
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path))
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        for i in range(20):
+            client.publish(spec.topic, {"id": i, "v": 0})
+        client.flush()
+        wait_until(lambda: len(read_topic(kafka_bootstrap, spec.diff_topic, range(4))) == 20, 60, "20 inserts on .diff")
+        gone = [spec.diff_topic, spec.sow_topic]
+        for future in admin.delete_topics(gone).values():
+            future.result(30)
+        wait_until(lambda: not set(gone) & set(admin.list_topics(timeout=10).topics), 30, "the topics deleted")
+        for i in range(15, 30):  # 5 updates, 10 inserts
+            client.publish(spec.topic, {"id": i, "v": 1})
+        client.flush()
+
+        def events():
+            if spec.diff_topic not in admin.list_topics(timeout=10).topics:
+                return []
+            return [(headers_of(m)["sow-op"], orjson.loads(m.value())["id"]) for m in read_topic(kafka_bootstrap, spec.diff_topic, range(4))]
+
+        wait_until(lambda: len(events()) >= 15, 120, "the inputs after the deletion applied")
+        time.sleep(2)  # anything repeated would be committed by now
+        assert sorted(events()) == sorted([("update", i) for i in range(15, 20)] + [("insert", i) for i in range(20, 30)])
+        wait_until(lambda: len(_sow(kafka_bootstrap, spec)) == 30, 60, "the store re-seeded into the new .sow")
+        assert {r["id"]: r["v"] for r in _sow(kafka_bootstrap, spec).values()} == {i: int(i >= 15) for i in range(30)}
+        assert sorted(e.record["id"] for e in client.query(spec.topic)) == list(range(30))
+        assert "created again" in worker.log() and worker.proc.poll() is None
+    finally:
+        worker.stop()
 
 
 def test_a_worker_rides_out_a_broker_crash_and_applies_and_expires_each_input_once(tmp_path, monkeypatch):

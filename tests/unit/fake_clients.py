@@ -157,6 +157,13 @@ class ScriptedAdmin:
     def __init__(self) -> None:
         self.ends: dict[tuple[str, int], int] = {}
         self.asked: list[list[tuple[str, int]]] = []
+        self.gone: set[str] = set()  # topics deleted: the next ensure_topics creates them again
+        self.ensured = 0  # times ensure_topics looked
+
+    def ensure_topics(self, wanted) -> list[str]:
+        self.ensured += 1
+        created, self.gone = sorted(self.gone & set(wanted)), self.gone - set(wanted)
+        return created
 
     def list_offsets(self, request, **kwargs) -> dict:
         self.asked.append(sorted((tp.topic, tp.partition) for tp in request))
@@ -169,8 +176,8 @@ class ScriptedAdmin:
 
 def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) -> tuple[SowLoop, ScriptedConsumer, list[ScriptedProducer]]:
     """A loop for one SOW topic `orders` of one partition over scripted clients; the consumers it
-    makes to read its own topics find them empty, they are never deleted and created again, and
-    they have the partitions the topology says."""
+    makes to read its own topics find them empty, they are never deleted and created again (unless
+    a test names them in its admin's `gone`), and they have the partitions the topology says."""
     consumer = ScriptedConsumer()
     producers: list[ScriptedProducer] = []
 
@@ -184,7 +191,8 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     admin = ScriptedAdmin()
     monkeypatch.setattr(loop_module, "make_admin", lambda bootstrap, **config: admin)
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
-    monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs: None)  # the topology's partition counts
+    monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs, timeout=30.0: None)  # the topology's partition counts
+    monkeypatch.setattr(loop_module, "ensure_topics", lambda admin, wanted, timeout=30.0, **replication: admin.ensure_topics(wanted))
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

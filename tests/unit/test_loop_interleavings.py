@@ -1,6 +1,7 @@
 """The worker loop at interleavings a broker gives only by chance (scripted clients: fake_clients):
-a pause across a rebalance, a resume while the log grew, a wait clock across a slow assignment, and
-a changelog re-seed whose transaction does not commit. Each failed before its fix."""
+a pause across a rebalance, a resume while the log grew, a wait clock across a slow assignment, a
+changelog re-seed whose transaction does not commit, an output topic deleted under the loop. Each
+failed before its fix."""
 
 from __future__ import annotations
 
@@ -586,3 +587,27 @@ def test_a_revoked_store_is_kept_if_assigned_back_and_let_go_of_if_not(monkeypat
     other = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())  # that worker's open
     other.close()
     assert not loop._parked
+
+
+def test_a_batch_that_fails_on_a_deleted_output_topic_creates_it_again_and_is_redone(monkeypatch, tmp_path):
+    """`.diff` deleted under the running loop: its batch fails (UNKNOWN_TOPIC_OR_PART from the
+    transaction coordinator) and every later one would too. The abort creates the topology's
+    missing topics again (at most once in _TOPICS_CHECK_S), and a new producer, which does not
+    hold the topic as gone, redoes the batch: each input's events once."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    admin = loop.admin
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    batch = [Message("orders", 0, i, _record(i), t0 + i) for i in range(3)] + [end_of(t, 0, 3 if t == "orders" else 0) for t in INPUTS]
+    consumer.script.append(list(batch))
+    admin.gone = {"orders.diff"}
+    producers[-1].fail_next_commit = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    loop.cycle()
+    assert admin.gone == set() and admin.ensured == 1 and len(producers) == 2
+    assert producers[0].aborted == 1 and not producers[0].delivered
+    consumer.script.append(list(batch))
+    loop.cycle()
+    diff = [orjson.loads(value)["id"] for topic, _, _, value in producers[1].delivered if topic == "orders.diff"]
+    assert sorted(diff) == [0, 1, 2]
+    loop._abort(KafkaError(KafkaError._TIMED_OUT))  # another failure at once: no second look
+    assert admin.ensured == 1

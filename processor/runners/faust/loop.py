@@ -54,7 +54,10 @@ from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
-from processor.kafka.clients import check_partitions, delete_retention_ms, end_offsets, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until, topic_incarnation
+from processor.kafka.clients import (
+    check_partitions, delete_retention_ms, end_offsets, ensure_topics, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until,
+    topic_incarnation, topology_topic_configs)
+from processor.kafka.registry import REGISTRY_TOPICS
 from processor.runners.faust import metrics
 from processor.runners.faust.stores import open_store
 from processor.state.base import PartitionStore, open_partition_store
@@ -196,6 +199,12 @@ def _kill(step: str) -> None:
 _RANK_TOPIC, _RANK_DELTA, _RANK_REPARTITION = 0, 1, 2
 # Consumer errors that no retry mends: the worker would stay up with no partitions, so it stops.
 _REFUSED_SETTINGS = frozenset((KafkaError.INVALID_SESSION_TIMEOUT,))
+# What a batch fails with when a topic it writes to is gone (deleted under the running worker), as
+# seen here: the coordinator's refusal, a produce's or a watermark's, the transaction left in error by
+# either, and a commit whose deliveries failed or timed out (their cause unsaid).
+_TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION, KafkaError._STATE,
+                         KafkaError._INCONSISTENT, KafkaError._TIMED_OUT, KafkaError._MSG_TIMED_OUT))
+_TOPICS_CHECK_S = 30.0  # at most one look for gone topics in this many seconds (a broker away blocks one for 10 s)
 STALL_SECONDS = 1.0  # a gap in the loop after which what its inputs' ends said is not trusted (_check_awake)
 _AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
 
@@ -459,6 +468,7 @@ class SowLoop:
 
     def __init__(self, topology: Topology, bootstrap: str, group: str, data_dir: Path, topology_dir: Path | None = None,
                  settings: LoopSettings | None = None, instance: str = "0"):
+        self.topology = topology
         self.bootstrap = bootstrap
         self.group = group
         self.data_dir = data_dir  # its `sow/` tree holds the stores, shared with the host's other workers on it
@@ -485,7 +495,8 @@ class SowLoop:
         self._parked: dict[tuple[str, int], PartitionStore] = {}
         self._paused: set[tuple[str, int]] = set()
         self._replace_producer = False  # the transactional producer failed and is not replaced yet
-        self._admin: AdminClient | None = None  # made when a restore first needs it (topic IDs)
+        self._admin: AdminClient | None = None  # made when first needed (`admin`)
+        self._topics_checked_at = 0.0  # monotonic time of the last look for gone topics (_abort)
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
@@ -538,6 +549,44 @@ class SowLoop:
             },
         )
         self.producer = self._new_producer()
+
+    # topics ----------------------------------------------------------------------------------
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = make_admin(self.bootstrap)
+        return self._admin
+
+    def ensure_topics(self, timeout: float = 30.0) -> list[str]:
+        """Create the topology's topics that are missing (with its settings) and check the partition
+        counts of all: at start, and when a batch fails on a topic deleted under the running worker.
+        Returns the names created; a topic with too few partitions (one a client's produce made the
+        broker create) is a ConfigError."""
+        replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
+        created = ensure_topics(self.admin, {**topology_topic_configs(self.topology), **REGISTRY_TOPICS}, timeout, **replication)
+        check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
+        return created
+
+    def _recreate_gone_topics(self) -> None:
+        """A topic the loop writes to was deleted under it (an operator, a clean-up script): every
+        batch would abort on it, forever. Create it again, as at start, so that the batch is redone
+        into it; its readers start over from its first offset. The producer (its transaction aborted)
+        is replaced: a new one asks for the new topic's metadata at once."""
+        now = time.monotonic()
+        if now - self._topics_checked_at < _TOPICS_CHECK_S:
+            return
+        self._topics_checked_at = now
+        try:
+            created = self.ensure_topics(timeout=10)
+        except (KafkaException, TimeoutError) as exc:  # the broker is away: the next failed batch looks again
+            log.warning("could not look for deleted topics: %s", exc)
+            return
+        if created:
+            log.warning("topics deleted under the running worker, created again: %s (their readers start over from their first offset)", ", ".join(created))
+            metrics.TOPICS_RECREATED.inc(len(created))
+            self._replace_producer = True  # as in _abort: until a new one is ready, the next abort tries again
+            self.producer = self._new_producer()
+            self._replace_producer = False
 
     # producer --------------------------------------------------------------------------------
     def _new_producer(self):
@@ -654,10 +703,8 @@ class SowLoop:
         engines = {self._by_input[tp.topic][0] for tp in partitions if tp.topic in self._by_input}
         if not engines:
             return
-        if self._admin is None:
-            self._admin = make_admin(self.bootstrap)
         try:
-            check_partitions(self._admin, [engine.spec for engine in engines])
+            check_partitions(self.admin, [engine.spec for engine in engines])
         except KafkaException as exc:  # a slow broker must not fail the assignment: the check is a safety net
             log.warning("could not check the input topics' partition counts: %s", exc)
 
@@ -1128,12 +1175,10 @@ class SowLoop:
         works out go by an answer asked one sweep before, at most every `expiry_tick_ms`."""
         if self._ends_asked is not None:
             return
-        if self._admin is None:
-            self._admin = make_admin(self.bootstrap)
         wanted, self._ends_wanted = self._ends_wanted, set()
         at = time.time_ns() // 1_000_000
         try:
-            futures = self._admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in wanted})
+            futures = self.admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in wanted})
         except KafkaException as exc:
             log.debug("asking where inputs end: %s", exc)
             return
@@ -1304,6 +1349,8 @@ class SowLoop:
                 self._replace_producer = True
                 self.producer = self._new_producer()
                 self._replace_producer = False
+        if isinstance(err, KafkaError) and err.code() in _TOPIC_GONE:
+            self._recreate_gone_topics()
         for task in list(self.tasks.values()):
             _stop_restore(task)
             if task.store is not None:
@@ -1418,9 +1465,7 @@ class SowLoop:
         try:
             ((low, high),) = end_offsets(consumer, topic, [task.p]).values()
             position = store.meta("changelog")
-            if self._admin is None:
-                self._admin = make_admin(self.bootstrap)
-            incarnation, known = topic_incarnation(self._admin, topic), store.meta("changelog_incarnation")
+            incarnation, known = topic_incarnation(self.admin, topic), store.meta("changelog_incarnation")
             if known and incarnation:
                 recreated = known != incarnation
             else:
@@ -1487,7 +1532,7 @@ class SowLoop:
         at = store.meta(_CHANGELOG_AT)
         if not at or store.meta("changelog") == 0:
             return False
-        age, retention = time.time_ns() // 1_000_000 - at, delete_retention_ms(self._admin, topic)
+        age, retention = time.time_ns() // 1_000_000 - at, delete_retention_ms(self.admin, topic)
         if age < retention - _CHANGELOG_AT_REFRESH_MS:
             return False
         log.warning("%s[%d]: the store read it %d s ago, more than its delete.retention.ms (%d s) less a minute allows: "

@@ -23,8 +23,8 @@ import mode
 from faust.app.base import BootStrategy
 
 from processor.contract.errors import KsowError
-from processor.kafka.clients import check_partitions, ensure_topics, make_admin, make_producer, topology_topic_configs
-from processor.kafka.registry import REGISTRY_TOPIC, ensure_registry
+from processor.kafka.clients import make_producer
+from processor.kafka.registry import REGISTRY_TOPIC
 from processor.runners.faust.loop import LoopSettings, SowLoop
 from processor.runners.faust.stores import adopt_worker_stores, hold_data_dir
 from processor.runners.faust.web import WebSettings, install_web
@@ -143,12 +143,7 @@ class SowWorker:
         return app
 
     def create_topics(self) -> None:
-        admin = make_admin(self.bootstrap)
-        wanted = topology_topic_configs(self.topology)
-        replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
-        ensure_topics(admin, wanted, **replication)
-        ensure_registry(admin, **replication)
-        check_partitions(admin, [engine.spec for engine in self.loop.engines.values()])
+        self.loop.ensure_topics()
 
     def run(self, loglevel: str = "info") -> None:
         """Run until stopped (SIGINT/SIGTERM); exits the process like any Faust worker."""
