@@ -133,6 +133,28 @@ class WorkerProcess:
                 self.proc.wait(30)
 
 
+def running(pid: int) -> bool:
+    """True while the process exists and is not a zombie awaiting its (dead) parent (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[1] == str(pid):
+                    found.append(int(entry))
+        except FileNotFoundError:  # ended meanwhile
+            continue
+    return found
+
+
 def wait_until(check: Callable[[], object], timeout: float = 60, what: str = "condition", interval: float = 0.3):
     """Call `check` until it returns something truthy, and return that; AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout

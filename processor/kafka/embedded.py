@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import base64
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -25,9 +24,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+from processor.processes import die_with_parent_hook
 
 KAFKA_VERSION = "4.1.1"
 NODE_ID = 1
@@ -37,7 +38,7 @@ NODE_ID = 1
 POM_XML = """\
 <?xml version="1.0" encoding="UTF-8"?>
 <!-- Resolves the Apache Kafka broker (KRaft) and its runtime dependencies for the embedded broker.
-     Used by processor/broker/embedded.py (which carries a copy as POM_XML; keep both equal):
+     Used by processor/kafka/embedded.py (which carries a copy as POM_XML; keep both equal):
      mvn -f ops/kafka-pom.xml dependency:copy-dependencies
          -DoutputDirectory=DIR -DincludeScope=runtime
      Kafka 4.x logs through log4j2; its slf4j 1.7 API is bound to log4j2 by log4j-slf4j-impl. -->
@@ -308,29 +309,6 @@ def _port_open(port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the JVM when this Python process dies.
-
-    Why: a test run that is killed (even with SIGKILL) must not leak brokers holding
-    ports and memory.  Note the signal fires when the *thread* that started the broker
-    ends, so start brokers from a long-lived thread (the main thread, normally).
-    """
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
 
 
 def _pid_alive(pid: int) -> bool:
@@ -640,7 +618,7 @@ class EmbeddedKafka:
                 stderr=subprocess.STDOUT,
                 cwd=self.data_dir,
                 start_new_session=True,  # Ctrl-C reaches us; we stop the JVM in order
-                preexec_fn=_die_with_parent_hook(),
+                preexec_fn=die_with_parent_hook(),
             )
 
     def _await_ready(self, began: float) -> None:

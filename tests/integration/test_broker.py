@@ -22,6 +22,8 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
+from processor.testing import running
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,14 +242,14 @@ def test_broker_jvm_dies_with_a_killed_parent():
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 60
-        while _alive(jvm_pid) and time.monotonic() < deadline:
+        while running(jvm_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(jvm_pid), "broker JVM outlived its SIGKILLed parent"
+        assert not running(jvm_pid), "broker JVM outlived its SIGKILLed parent"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if jvm_pid is not None and _alive(jvm_pid):
+        if jvm_pid is not None and running(jvm_pid):
             os.kill(jvm_pid, signal.SIGKILL)
     # the next embedded start sweeps the orphaned temp dir; do it here to be tidy
     from processor.kafka.embedded import _sweep_stale_temp_dirs
@@ -255,11 +257,3 @@ def test_broker_jvm_dies_with_a_killed_parent():
     _sweep_stale_temp_dirs()
     assert not Path(data_dir).exists()
 
-
-def _alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie awaiting its (dead) parent."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from processor.runners.faust import pool as pool_module
 from processor.runners.faust.pool import WorkerPool
+from processor.testing import children, running
 
 
 def _python(code: str):
@@ -106,3 +109,30 @@ def test_sigterm_stops_every_worker_and_a_dead_one_is_restarted(tmp_path):
 def test_a_pool_has_workers():
     with pytest.raises(ValueError):
         WorkerPool(0, _python("pass"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_pool_killed_with_sigkill_takes_its_workers_with_it():
+    """A killed pool cannot stop its workers: Linux sends each SIGTERM when the pool dies, so none
+    is left holding its data folder for the next `ksow up`."""
+    pool = ("import sys, time\n"
+            "from processor.runners.faust.pool import WorkerPool\n"
+            "WorkerPool(2, lambda i: [sys.executable, '-c', 'import time; time.sleep(120)'], say=lambda line: None).run()\n")
+    parent = subprocess.Popen([sys.executable, "-c", pool])
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(kids := children(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(kids) == 2
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(running(pid) for pid in kids)
+    finally:
+        parent.kill()
+        for pid in filter(running, kids):
+            os.kill(pid, signal.SIGKILL)
+

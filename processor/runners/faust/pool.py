@@ -13,29 +13,19 @@ refuses), and stops them all on SIGTERM or SIGINT.
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from processor.processes import die_with_parent_hook
 
 QUICK_EXIT_S = 15.0  # a worker that exits this soon after its start did not get going
 STARTUP_FAILED = 3  # the exit status of a worker that could not get going (the cluster did not answer), however long it tried
 SETTINGS_REFUSED = 4  # the exit status of a worker whose login or TLS handshake the cluster refused: the pool stops
 MAX_QUICK_EXITS = 3  # in a row, for one worker: the pool stops with an error
 STOP_TIMEOUT_S = 60.0  # after SIGTERM, how long a worker may take to commit and leave the group
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None) if sys.platform == "linux" else None  # loaded before any fork
-
-
-def _end_with_parent() -> None:
-    """In a worker, between fork and exec: a pool killed with SIGKILL (it cannot stop them) still
-    takes its workers with it (Linux: they get SIGTERM and stop as usual)."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -87,7 +77,7 @@ class WorkerPool:
         self._stopping = True
 
     def _start(self, member: _Member) -> None:
-        member.proc = subprocess.Popen(list(self.argv(member.index)), env=self.env, preexec_fn=_end_with_parent)
+        member.proc = subprocess.Popen(list(self.argv(member.index)), env=self.env, preexec_fn=die_with_parent_hook())
         member.started = time.monotonic()
         self.say(f"worker {member.index} started (pid {member.proc.pid})")
 
