@@ -155,7 +155,7 @@ def render_removal(op: Op, key: bytes, before: SowRecord, seq: int, at_ms: int, 
 
 def _too_large(t: Transition, topic: str, size: int, max_bytes: int) -> None:
     raise InputError(f"the {t.op.value} of {t.key} would put {size} bytes on {topic}, over the limit of "
-                     f"{max_bytes} (KSOW_MAX_RECORD_BYTES); the SOW keeps the record as it was")
+                     f"{max_bytes} (KSOW_MAX_RECORD_BYTES, lower when an output topic's max.message.bytes is); the SOW keeps the record as it was")
 
 
 def source_headers(msg: InputMessage, streams: Streams) -> list[tuple[str, bytes]]:

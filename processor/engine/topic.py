@@ -16,7 +16,7 @@ from typing import Iterable
 
 from processor.contract import headers as H
 from processor.contract.errors import BatchAborted, InputError
-from processor.contract.limits import delete_filter_seconds
+from processor.contract.limits import delete_filter_seconds, max_record_bytes
 from processor.contract.types import Command, InputMessage, Output, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.changelog import MalformedSowMessage, sow_change
@@ -78,12 +78,23 @@ class SowTopicEngine:
         # is refused when it comes again (`_too_slow`: where it was read).
         self.slow_delete_seconds: float | None = None
         self._too_slow: set[tuple[str, int, int]] = set()
+        # The largest encoded record or diff a write may produce (KSOW_MAX_RECORD_BYTES): a runner
+        # lowers it to what its output topics take (`limit_record_bytes`).
+        self.max_record_bytes = max_record_bytes()
 
     # partitions -----------------------------------------------------------------------
     def attach(self, p: int, state: PartitionState) -> SowPartition:
         self.restoring.discard(p)
         partition = self.partitions[p] = SowPartition(self.spec, p, state, self.codec, self.views)
+        partition.max_bytes = self.max_record_bytes
         return partition
+
+    def limit_record_bytes(self, limit: int) -> None:
+        """Refuse (on `.errors`) a write whose record or diff would be larger than `limit` bytes as
+        well: the broker would refuse its message, and the batch holding it, for ever."""
+        self.max_record_bytes = min(max_record_bytes(), limit)
+        for partition in self.partitions.values():
+            partition.max_bytes = self.max_record_bytes
 
     def detach(self, p: int, restoring: bool = False) -> None:
         """Forget partition p (and its views' holds). `restoring`: it stays this runner's while a

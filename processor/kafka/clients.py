@@ -344,6 +344,21 @@ def delete_retention_ms(admin: AdminClient, topic: str, timeout: float = 30.0) -
         return DELETE_RETENTION_MS
 
 
+def max_message_bytes(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:
+    """The `max.message.bytes` of each of `topics` that could be read: the largest record batch the
+    broker appends to it."""
+    from confluent_kafka.admin import ConfigResource, ResourceType
+
+    futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in topics], request_timeout=timeout)
+    found = {}
+    for resource, future in futures.items():
+        try:
+            found[resource.name] = int(future.result(timeout)["max.message.bytes"].value)
+        except (KafkaException, KeyError, ValueError) as exc:
+            log.debug("cannot read max.message.bytes of %s: %s", resource.name, exc)
+    return found
+
+
 def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:
     """(low, high) watermarks per partition, retrying the transient errors of freshly created topics."""
     out = {}

@@ -2,8 +2,8 @@
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
 partitions added to an input topic under a running worker (it stops, in one line), output topics
-deleted under a running worker (created again, nothing lost or repeated), the broker itself
-crashing under a stream of inputs."""
+deleted under a running worker (created again, nothing lost or repeated), an output topic that
+takes smaller messages than ksow's limits, the broker itself crashing under a stream of inputs."""
 
 from __future__ import annotations
 
@@ -283,6 +283,44 @@ def test_output_topics_deleted_under_a_running_worker_are_created_again_and_noth
         assert {r["id"]: r["v"] for r in _sow(kafka_bootstrap, spec).values()} == {i: int(i >= 15) for i in range(30)}
         assert sorted(e.record["id"] for e in client.query(spec.topic)) == list(range(30))
         assert "created again" in worker.log() and worker.proc.poll() is None
+    finally:
+        worker.stop()
+
+
+def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto_errors(kafka_bootstrap, unique_name, tmp_path, admin):
+    """An operator sets `.diff`'s max.message.bytes to 4,000 under a running worker. A record of
+    6,000 incompressible bytes made the broker refuse its batch, and again each time it was redone:
+    nothing applied on any partition, for as long as the worker ran (seen: an abort every 10 s).
+    Now that input goes to `.errors` with the reason, and the small records around it are applied,
+    in batches the topic takes."""
+    import random
+    import string
+
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path))
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        client.publish(spec.topic, {"id": -1})
+        client.flush()
+        wait_until(lambda: read_topic(kafka_bootstrap, spec.diff_topic, range(4)), 60, "the first record applied")
+        limit = ConfigEntry("max.message.bytes", "4000", incremental_operation=AlterConfigOpType.SET)
+        resource = ConfigResource(ConfigResource.Type.TOPIC, spec.diff_topic, incremental_configs=[limit])
+        admin.incremental_alter_configs([resource])[resource].result(30)
+        rnd = random.Random(7)
+        noise = lambda n: "".join(rnd.choice(string.ascii_letters) for _ in range(n))  # noqa: E731 - lz4 does not shrink it
+        client.publish(spec.topic, {"id": 0, "blob": noise(6000)})
+        for i in range(1, 301):
+            client.publish(spec.topic, {"id": i, "blob": noise(100)})
+        client.flush()
+        wait_until(lambda: len(read_topic(kafka_bootstrap, spec.diff_topic, range(4))) == 301, 120, "the 300 small records applied")
+        (refused,) = read_topic(kafka_bootstrap, spec.errors_topic, range(4))
+        assert orjson.loads(refused.value())["id"] == 0
+        assert "over the limit of 2464" in headers_of(refused)["sow-error"]
+        assert sorted(e.record["id"] for e in client.query(spec.topic)) == [-1, *range(1, 301)]
+        assert worker.proc.poll() is None
     finally:
         worker.stop()
 

@@ -113,6 +113,8 @@ class ScriptedProducer:
         self.next_offset: dict[tuple[str, int], int] = defaultdict(int)
         self.fail_next_commit: KafkaError | None = None
         self.aborted = 0
+        self.config: dict = {}  # what the loop made it with
+        self.headers: list[tuple[str, list | None]] = []  # (topic, headers) of every message produced
 
     def init_transactions(self, timeout=None) -> None:
         pass
@@ -122,6 +124,7 @@ class ScriptedProducer:
 
     def produce(self, topic, value=None, key=None, partition=-1, on_delivery=None, callback=None, timestamp=0, headers=None) -> None:
         self.pending.append((topic, partition, value, on_delivery))
+        self.headers.append((topic, headers))
 
     def send_offsets_to_transaction(self, offsets, metadata, timeout=None) -> None:
         pass
@@ -159,6 +162,7 @@ class ScriptedAdmin:
         self.asked: list[list[tuple[str, int]]] = []
         self.gone: set[str] = set()  # topics deleted: the next ensure_topics creates them again
         self.ensured = 0  # times ensure_topics looked
+        self.max_message_bytes: dict[str, int] = {}  # the output topics' max.message.bytes that are known
 
     def ensure_topics(self, wanted) -> list[str]:
         self.ensured += 1
@@ -183,6 +187,7 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
 
     def make_producer(*args, **config) -> ScriptedProducer:
         producers.append(ScriptedProducer())
+        producers[-1].config = config
         return producers[-1]
 
     monkeypatch.setattr(loop_module, "make_consumer", lambda bootstrap, group=None, **config: consumer if group else ScriptedConsumer())
@@ -193,6 +198,7 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
     monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs, timeout=30.0: None)  # the topology's partition counts
     monkeypatch.setattr(loop_module, "ensure_topics", lambda admin, wanted, timeout=30.0, **replication: admin.ensure_topics(wanted))
+    monkeypatch.setattr(loop_module, "max_message_bytes", lambda admin, topics, timeout=30.0: admin.max_message_bytes)
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

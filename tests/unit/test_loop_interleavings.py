@@ -1,7 +1,7 @@
 """The worker loop at interleavings a broker gives only by chance (scripted clients: fake_clients):
 a pause across a rebalance, a resume while the log grew, a wait clock across a slow assignment, a
-changelog re-seed whose transaction does not commit, an output topic deleted under the loop. Each
-failed before its fix."""
+changelog re-seed whose transaction does not commit, an output topic deleted under the loop, one
+that takes smaller messages than ksow's limits. Each failed before its fix."""
 
 from __future__ import annotations
 
@@ -611,3 +611,46 @@ def test_a_batch_that_fails_on_a_deleted_output_topic_creates_it_again_and_is_re
     assert sorted(diff) == [0, 1, 2]
     loop._abort(KafkaError(KafkaError._TIMED_OUT))  # another failure at once: no second look
     assert admin.ensured == 1
+
+
+def test_a_batch_the_broker_refuses_as_too_large_is_redone_with_that_input_on_errors(monkeypatch, tmp_path):
+    """An operator set an output topic's max.message.bytes to 4,000 under the running loop: the
+    broker refuses the batch holding a 6,000-byte record (MSG_SIZE_TOO_LARGE), and refused it again
+    each time it was redone, every partition stalled. The abort reads the output topics' limit: the
+    redone batch puts that input on `.errors` with the reason and applies the others, and the new
+    producer sends no message or batch larger than the topic takes."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    big = _record(0, blob="x" * 6000)
+    batch = [Message("orders", 0, 0, big, t0), Message("orders", 0, 1, _record(1), t0 + 1)] + [end_of(t, 0, 2 if t == "orders" else 0) for t in INPUTS]
+    consumer.script.append(list(batch))
+    loop.admin.max_message_bytes = {"orders.diff": 4000, "orders.sow": 1048588, "orders.errors": 1048588}
+    producers[-1].fail_next_commit = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    loop.cycle()
+    assert producers[0].aborted == 1 and len(producers) == 2
+    assert producers[1].config["batch.size"] == 4000 - 512 and producers[1].config["message.max.bytes"] == producers[0].config["message.max.bytes"]
+    consumer.script.append(list(batch))
+    loop.cycle()
+    delivered = producers[1].delivered
+    assert [orjson.loads(value)["id"] for topic, _, _, value in delivered if topic == "orders.diff"] == [1]
+    assert [value for topic, _, _, value in delivered if topic == "orders.errors"] == [big]
+    (reason,) = [dict(headers)["sow-error"] for topic, headers in producers[1].headers if topic == "orders.errors"]
+    assert b"over the limit of 2464" in reason  # 4,000 less a batch's framing and room for key and headers
+
+
+def test_an_errors_record_larger_than_its_topic_takes_is_cut_short(monkeypatch, tmp_path):
+    """`.errors` takes 3,000-byte messages (its max.message.bytes), less than the producer's limit:
+    the `.errors` record of a 6,000-byte input the SOW refused is cut to what it takes, with the
+    reason, where the broker refused it and its batch each time it was redone."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    loop.admin.max_message_bytes = {"orders.diff": 4000, "orders.errors": 3000}
+    loop.ensure_topics()
+    assign(loop, consumer)
+    big = _record(0, blob="x" * 6000)
+    consumer.script.append([Message("orders", 0, 0, big, now_ms() - 10_000)] + [end_of(t, 0, 1 if t == "orders" else 0) for t in INPUTS])
+    loop.cycle()
+    (cut,) = [value for topic, _, _, value in producers[-1].delivered if topic == "orders.errors"]
+    assert cut == big[:(3000 - 512) // 2]
+    (said,) = [headers for topic, headers in producers[-1].headers if topic == "orders.errors"]
+    assert [v for k, v in said if k == "sow-error"][-1].startswith(b"message of ")

@@ -55,8 +55,8 @@ from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import (
-    check_partitions, delete_retention_ms, end_offsets, ensure_topics, message_headers, make_admin, make_consumer, make_producer, read_batches, read_until,
-    topic_incarnation, topology_topic_configs)
+    check_partitions, delete_retention_ms, end_offsets, ensure_topics, max_message_bytes, message_headers, make_admin, make_consumer, make_producer, read_batches,
+    read_until, topic_incarnation, topology_topic_configs)
 from processor.kafka.registry import REGISTRY_TOPICS
 from processor.runners.faust import metrics
 from processor.runners.faust.stores import open_store
@@ -204,6 +204,10 @@ _REFUSED_SETTINGS = frozenset((KafkaError.INVALID_SESSION_TIMEOUT,))
 # either, and a commit whose deliveries failed or timed out (their cause unsaid).
 _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION, KafkaError._STATE,
                          KafkaError._INCONSISTENT, KafkaError._TIMED_OUT, KafkaError._MSG_TIMED_OUT))
+# A batch the broker refused as larger than a topic takes (its max.message.bytes).
+_TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
+_BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
+_HEADERS_ROOM = 1024  # bytes a record's key and headers may add to it in its message
 _TOPICS_CHECK_S = 30.0  # at most one look for gone topics in this many seconds (a broker away blocks one for 10 s)
 STALL_SECONDS = 1.0  # a gap in the loop after which what its inputs' ends said is not trusted (_check_awake)
 _AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
@@ -242,13 +246,17 @@ _RESTORE_COMMIT = 20_000  # records a restore reads between two commits of the s
 _KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut message keeps besides half its value
 
 
+def _message_bytes(key: bytes | None, value: bytes | None, headers: list | None) -> int:
+    return len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+
+
 def _too_large(o: Output, limit: int) -> Output:
     """What goes out instead of a message the producer refuses as too large: its start, on the same
     topic, with the reason (this is the `.errors` record of an input over the broker's limit). It
     always fits: half the limit of its value, and its key and headers cut short too (a message
     whose headers alone were too large would otherwise be refused again, and stall the batch)."""
     headers = o.headers or []
-    size = len(o.value or b"") + len(o.key or b"") + sum(len(k) + len(v or b"") for k, v in headers)
+    size = _message_bytes(o.key, o.value, headers)
     kept = [(k[:_KEPT_HEADER_BYTES], (v or b"")[:_KEPT_HEADER_BYTES]) for k, v in headers[:_KEPT_HEADERS]]
     reason = (f"message of {size} bytes exceeds message.max.bytes {limit}: value cut to {limit // 2} bytes, key to "
               f"{_KEPT_KEY_BYTES}, headers to the first {_KEPT_HEADERS} of {_KEPT_HEADER_BYTES} bytes").encode()
@@ -302,6 +310,10 @@ class _Batch:
         loop = self.loop
         if not loop._in_txn and loop.eos and not self._begin():
             return
+        small = loop._small_topics
+        if small and topic in small and _message_bytes(key, value, headers) > small[topic]:  # else refused by the broker
+            cut = _too_large(Output(topic, partition, key, value, headers, changelog, timestamp), small[topic])
+            key, value, headers = cut.key, cut.value, cut.headers
         try:
             # Positional (topic, value, key, partition, on_delivery, callback, timestamp, headers):
             # keyword arguments cost ~0.5 us more a message, measured.
@@ -497,6 +509,13 @@ class SowLoop:
         self._replace_producer = False  # the transactional producer failed and is not replaced yet
         self._admin: AdminClient | None = None  # made when first needed (`admin`)
         self._topics_checked_at = 0.0  # monotonic time of the last look for gone topics (_abort)
+        # The topics the loop writes to, and what the smallest of them take (`_limit_outputs`): the
+        # producer's largest batch, and the topics that take less than its largest message.
+        inputs = {name for spec in topology.sow for name in (spec.topic, spec.delta_topic)}
+        self._outputs = [name for name in topology_topic_configs(topology) if name not in inputs]
+        self._unrecorded = {name for spec in topology.sow for name in (spec.errors_topic, spec.repartition_topic)}  # carry inputs, not records
+        self._batch_bytes = 1_000_000
+        self._small_topics: dict[str, int] = {}  # topic -> the largest message it takes, when less than message.max.bytes
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
@@ -565,7 +584,42 @@ class SowLoop:
         replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
         created = ensure_topics(self.admin, {**topology_topic_configs(self.topology), **REGISTRY_TOPICS}, timeout, **replication)
         check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
+        if self._limit_outputs(timeout):
+            self._renew_producer()
         return created
+
+    def _limit_outputs(self, timeout: float) -> bool:
+        """Fit what the loop writes to its output topics' `max.message.bytes` (Kafka's default takes
+        ksow's own limits; an operator may set less): the broker refuses a larger message or batch,
+        and the batch that holds it again each time it is redone, for ever. Records and diffs larger
+        than the smallest record topic takes are refused onto `.errors` (the engines' limit), other
+        messages cut short (`send`), and the producer's batches stay under the smallest. True when
+        the producer's batch size changed (it is made anew to take it)."""
+        limits = {name: max(1, limit - _BATCH_FRAMING) for name, limit in max_message_bytes(self.admin, self._outputs, timeout).items()}
+        if not limits:
+            return False
+        most = self.settings.max_message_bytes
+        records = min((limit for name, limit in limits.items() if name not in self._unrecorded), default=most)
+        for engine in self.engines.values():
+            engine.limit_record_bytes(max(1, min(most, records) - _HEADERS_ROOM))
+        small = {name: limit for name, limit in limits.items() if limit < most}
+        if small and small != self._small_topics:
+            log.warning("output topics take smaller messages than ksow's limits (max.message.bytes): %s; larger records are refused onto .errors",
+                        ", ".join(f"{name} {limit + _BATCH_FRAMING} bytes" for name, limit in sorted(small.items())))
+        self._small_topics = small
+        batch = min(1_000_000, most, *limits.values())
+        if batch == self._batch_bytes:
+            return False
+        self._batch_bytes = batch
+        return True
+
+    def _renew_producer(self) -> None:
+        """A new transactional producer (fencing the old one's open transaction) for one that
+        failed or must take new settings; until one is ready (init_transactions can time out while
+        the broker is away), every abort tries again."""
+        self._replace_producer = True
+        self.producer = self._new_producer()
+        self._replace_producer = False
 
     def _recreate_gone_topics(self) -> None:
         """A topic the loop writes to was deleted under it (an operator, a clean-up script): every
@@ -584,14 +638,16 @@ class SowLoop:
         if created:
             log.warning("topics deleted under the running worker, created again: %s (their readers start over from their first offset)", ", ".join(created))
             metrics.TOPICS_RECREATED.inc(len(created))
-            self._replace_producer = True  # as in _abort: until a new one is ready, the next abort tries again
-            self.producer = self._new_producer()
-            self._replace_producer = False
+            self._renew_producer()
 
     # producer --------------------------------------------------------------------------------
+    def _size_limits(self) -> dict[str, int]:
+        """The largest message, and batch of a partition's messages, the producer sends."""
+        return {"message.max.bytes": self.settings.max_message_bytes, "batch.size": self._batch_bytes}
+
     def _new_producer(self):
         if not self.eos:  # the commit flushes: as below, a longer linger makes fewer, larger requests
-            return make_producer(self.bootstrap, **{"linger.ms": 50, "message.max.bytes": self.settings.max_message_bytes})
+            return make_producer(self.bootstrap, **{"linger.ms": 50, **self._size_limits()})
         producer = make_producer(
             self.bootstrap,
             **{
@@ -601,7 +657,7 @@ class SowLoop:
                 # read_committed readers see nothing before the commit, and the commit flushes: a
                 # longer linger only makes fewer, larger produce requests (less CPU here and on the broker).
                 "linger.ms": 50,
-                "message.max.bytes": self.settings.max_message_bytes,
+                **self._size_limits(),
             },
         )
         producer.init_transactions(60)  # fences an earlier incarnation with the same transactional.id
@@ -1344,13 +1400,16 @@ class SowLoop:
                 self.producer.abort_transaction(30)
             except KafkaException:
                 log.warning("transactional producer is fenced or failed: starting a new one")
-                # Until a new one is ready (init_transactions can time out while the broker is away),
-                # every abort tries again: the old one cannot begin a transaction any more.
-                self._replace_producer = True
-                self.producer = self._new_producer()
-                self._replace_producer = False
-        if isinstance(err, KafkaError) and err.code() in _TOPIC_GONE:
+                self._renew_producer()  # the old one cannot begin a transaction any more
+        code = err.code() if isinstance(err, KafkaError) else None
+        if code in _TOPIC_GONE:
             self._recreate_gone_topics()
+        elif code in _TOO_LARGE:
+            try:
+                if self._limit_outputs(10):
+                    self._renew_producer()
+            except KafkaException as exc:  # the next refused batch looks again
+                log.warning("could not read the output topics' max.message.bytes: %s", exc)
         for task in list(self.tasks.values()):
             _stop_restore(task)
             if task.store is not None:
