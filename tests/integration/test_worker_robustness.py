@@ -2,7 +2,7 @@
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
 partitions added to an input topic under a running worker (it stops, in one line), output topics
-deleted under a running worker (created again, nothing lost or repeated), an output topic that
+deleted under a running worker (created again, nothing lost or repeated; the registry too), an output topic that
 takes smaller messages than ksow's limits, the broker itself crashing under a stream of inputs."""
 
 from __future__ import annotations
@@ -285,6 +285,31 @@ def test_output_topics_deleted_under_a_running_worker_are_created_again_and_noth
         assert "created again" in worker.log() and worker.proc.poll() is None
     finally:
         worker.stop()
+
+
+def test_a_registry_topic_deleted_under_a_running_worker_is_created_again(kafka_bootstrap, unique_name, tmp_path, admin):
+    """Clients find workers through the registry topic. Deleted under a running worker, it stayed
+    gone: the worker's announcements failed, and clients fell back to reading `.sow`, for as long
+    as the worker ran. The worker creates it again and announces itself there."""
+    registry = f"__ksow_workers-{unique_name}"
+    path = write_topology(tmp_path, unique_name)
+    # librdkafka finds a topic gone at its next metadata refresh: 5 min by default
+    env = {"KSOW_REGISTRY_TOPIC": registry, "KAFKA_TOPIC_METADATA_REFRESH_INTERVAL_MS": "2000"}
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env=env).start()
+    try:
+        wait_until(lambda: read_topic(kafka_bootstrap, registry, [0]), 60, "the worker announced")
+        admin.delete_topics([registry])[registry].result(30)
+        wait_until(lambda: registry not in admin.list_topics(timeout=10).topics, 30, "the registry deleted")
+
+        def announced():
+            topics = admin.list_topics(timeout=10).topics
+            return registry in topics and any(orjson.loads(m.value())["group"] == f"g-{unique_name}" for m in read_topic(kafka_bootstrap, registry, [0]))
+
+        wait_until(announced, 90, "the registry created again, with the worker in it")
+        assert f"the registry topic {registry} is gone: creating it again" in worker.log()
+    finally:
+        worker.stop()
+        admin.delete_topics([registry])
 
 
 def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto_errors(kafka_bootstrap, unique_name, tmp_path, admin):

@@ -20,11 +20,12 @@ from typing import Awaitable, Callable
 
 import faust
 import mode
+from confluent_kafka import KafkaError, KafkaException
 from faust.app.base import BootStrategy
 
 from processor.contract.errors import KsowError
-from processor.kafka.clients import make_producer
-from processor.kafka.registry import REGISTRY_TOPIC
+from processor.kafka.clients import ensure_topics, make_admin, make_producer
+from processor.kafka.registry import REGISTRY_TOPIC, REGISTRY_TOPICS
 from processor.runners.faust.loop import LoopSettings, SowLoop
 from processor.runners.faust.stores import adopt_worker_stores, hold_data_dir
 from processor.runners.faust.web import WebSettings, install_web
@@ -193,8 +194,16 @@ class LoopView:
         return self._loop.input_lag()
 
     def announce(self, key: bytes, value: bytes) -> None:
-        """Write this worker's registry entry (its own small producer: the loop's is transactional)."""
+        """Write this worker's registry entry (its own small producer: the loop's is transactional).
+        A registry topic deleted under the worker is created again: clients would find no worker
+        to ask, and fall back to reading `.sow`, for as long as it ran."""
         if self._producer is None:
             self._producer = make_producer(self._bootstrap)
-        self._producer.produce(REGISTRY_TOPIC, value, key)
+        try:
+            self._producer.produce(REGISTRY_TOPIC, value, key)
+        except KafkaException as exc:
+            if exc.args[0].code() not in (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART):
+                raise
+            log.warning("the registry topic %s is gone: creating it again", REGISTRY_TOPIC)
+            ensure_topics(make_admin(self._bootstrap), REGISTRY_TOPICS, 10, self.topology.replication_factor, self.topology.min_insync_replicas)
         self._producer.poll(0)
