@@ -344,19 +344,38 @@ def delete_retention_ms(admin: AdminClient, topic: str, timeout: float = 30.0) -
         return DELETE_RETENTION_MS
 
 
-def max_message_bytes(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, int]:
-    """The `max.message.bytes` of each of `topics` that could be read: the largest record batch the
-    broker appends to it."""
+def described_configs(admin: AdminClient, topics: Iterable[str], timeout: float = 30.0) -> dict[str, dict[str, str]]:
+    """The configuration (name -> value) of each of `topics` that could be read, in one request."""
     from confluent_kafka.admin import ConfigResource, ResourceType
 
     futures = admin.describe_configs([ConfigResource(ResourceType.TOPIC, t) for t in topics], request_timeout=timeout)
     found = {}
     for resource, future in futures.items():
         try:
-            found[resource.name] = int(future.result(timeout)["max.message.bytes"].value)
-        except (KafkaException, KeyError, ValueError) as exc:
-            log.debug("cannot read max.message.bytes of %s: %s", resource.name, exc)
+            found[resource.name] = {name: entry.value for name, entry in future.result(timeout).items()}
+        except KafkaException as exc:
+            log.debug("cannot read the configuration of %s: %s", resource.name, exc)
     return found
+
+
+def check_compaction(wanted: dict[str, tuple[int, dict[str, str]]], configs: dict[str, dict[str, str]]) -> None:
+    """A topic ksow creates compacted (`.sow`, the SOW's changelog; `.holds`) that exists with the
+    `delete` policy and a time or size retention (someone else made it, or changed it) loses the
+    records older than that: a worker that rebuilds its store from it would lose them from the SOW,
+    with no error. Refused at start, as Kafka Streams refuses such changelogs (ConfigError, one line)."""
+    for name, (_, want) in sorted(wanted.items()):
+        found = configs.get(name)
+        if want.get("cleanup.policy") != "compact" or found is None:
+            continue
+        policy = {p.strip() for p in found.get("cleanup.policy", "").split(",")}
+        if "delete" in policy and (found.get("retention.ms") != "-1" or found.get("retention.bytes") != "-1"):
+            raise ConfigError(
+                f"topic {name} has cleanup.policy={found.get('cleanup.policy')}, retention.ms={found.get('retention.ms')}, "
+                f"retention.bytes={found.get('retention.bytes')}"
+                ": its records would be removed by time or size, and a worker that rebuilds its store from it would lose them; "
+                f"make it cleanup.policy=compact (kafka-configs.sh --alter --entity-type topics --entity-name {name} "
+                "--add-config cleanup.policy=compact)"
+            )
 
 
 def end_offsets(consumer: Consumer, topic: str, partitions, timeout: float = 30.0) -> dict[int, tuple[int, int]]:

@@ -3,7 +3,8 @@ while the worker was down (re-seeded, not wiped), a record that would outgrow a 
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
 partitions added to an input topic under a running worker (it stops, in one line), output topics
 deleted under a running worker (created again, nothing lost or repeated; the registry too), an output topic that
-takes smaller messages than ksow's limits, the broker itself crashing under a stream of inputs."""
+takes smaller messages than ksow's limits, a changelog that removes records by time (refused), the
+broker itself crashing under a stream of inputs."""
 
 from __future__ import annotations
 
@@ -348,6 +349,35 @@ def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto
         assert worker.proc.poll() is None
     finally:
         worker.stop()
+
+
+def test_a_worker_refuses_a_changelog_that_removes_records_by_time(kafka_bootstrap, unique_name, tmp_path, admin):
+    """`.sow` created by someone else with Kafka's default policy (delete, after 7 days): a store
+    rebuilt from it would lose every record not changed for a week. The worker refuses to start,
+    in one line that says how to mend it; mended, it starts."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    ensure_topics(admin, {spec.sow_topic: (spec.partitions, {})})
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start(wait=False)
+    try:
+        assert worker.proc.wait(90) == 1
+    finally:
+        worker.kill()
+    assert worker.log().count(f"topic {spec.sow_topic} has cleanup.policy=delete, retention.ms=604800000") == 1
+    assert "--add-config cleanup.policy=compact" in worker.log() and "Traceback" not in worker.log()
+    compact = ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, spec.sow_topic, incremental_configs=[compact])
+    admin.incremental_alter_configs([resource])[resource].result(30)
+    mended = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "mended").start()
+    try:
+        client = Client(kafka_bootstrap, load_topology(path))
+        client.publish(spec.topic, {"id": 1})
+        client.flush()
+        wait_until(lambda: _sow(kafka_bootstrap, spec), 60, "the record on .sow")
+    finally:
+        mended.stop()
 
 
 def test_a_worker_rides_out_a_broker_crash_and_applies_and_expires_each_input_once(tmp_path, monkeypatch):

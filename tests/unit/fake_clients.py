@@ -198,7 +198,8 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     monkeypatch.setattr(loop_module, "topic_incarnation", lambda admin, topic: 7)  # never recreated
     monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs, timeout=30.0: None)  # the topology's partition counts
     monkeypatch.setattr(loop_module, "ensure_topics", lambda admin, wanted, timeout=30.0, **replication: admin.ensure_topics(wanted))
-    monkeypatch.setattr(loop_module, "max_message_bytes", lambda admin, topics, timeout=30.0: admin.max_message_bytes)
+    monkeypatch.setattr(loop_module, "described_configs",
+                        lambda admin, topics, timeout=30.0: {t: {"max.message.bytes": str(n)} for t, n in admin.max_message_bytes.items() if t in topics})
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

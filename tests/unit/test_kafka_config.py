@@ -294,3 +294,33 @@ def test_an_identity_provider_that_cannot_be_reached_is_an_outage_not_a_refusal(
         assert not isinstance(unreachable.value, KafkaRefused) and time.monotonic() - began < 10
     finally:
         use_kafka_config(None)
+
+
+_COMPACTED = {"t.sow": (4, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}), "t.diff": (4, {})}
+
+
+@pytest.mark.parametrize("found, refused", [
+    ({"cleanup.policy": "compact"}, False),
+    ({"cleanup.policy": "compact,delete", "retention.ms": "-1", "retention.bytes": "-1"}, False),  # nothing removed by time or size
+    ({"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}, False),  # never compacted, but nothing lost
+    ({"cleanup.policy": "delete", "retention.ms": "604800000", "retention.bytes": "-1"}, True),
+    ({"cleanup.policy": "compact,delete", "retention.ms": "604800000", "retention.bytes": "-1"}, True),
+    ({"cleanup.policy": "delete, compact", "retention.ms": "-1", "retention.bytes": "1073741824"}, True),
+])
+def test_a_changelog_that_removes_records_by_time_or_size_is_refused_with_the_fix(found, refused):
+    """A `.sow` someone created with time retention loses the records older than it: a store rebuilt
+    from it would lose them too, with no error (Kafka Streams refuses such changelogs)."""
+    from processor.kafka.clients import check_compaction
+
+    configs = {"t.sow": found, "t.diff": {"cleanup.policy": "delete", "retention.ms": "1000"}}  # .diff may age out
+    if not refused:
+        check_compaction(_COMPACTED, configs)
+        return
+    with pytest.raises(ConfigError, match=r"^topic t\.sow has cleanup\.policy=.*--entity-name t\.sow --add-config cleanup\.policy=compact\)$"):
+        check_compaction(_COMPACTED, configs)
+
+
+def test_a_changelog_whose_configuration_could_not_be_read_is_not_refused():
+    from processor.kafka.clients import check_compaction
+
+    check_compaction(_COMPACTED, {})

@@ -55,8 +55,8 @@ from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
 from processor.kafka.clients import (
-    check_partitions, delete_retention_ms, end_offsets, ensure_topics, max_message_bytes, message_headers, make_admin, make_consumer, make_producer, read_batches,
-    read_until, topic_incarnation, topology_topic_configs)
+    check_compaction, check_partitions, delete_retention_ms, described_configs, end_offsets, ensure_topics, message_headers, make_admin, make_consumer,
+    make_producer, read_batches, read_until, topic_incarnation, topology_topic_configs)
 from processor.kafka.registry import REGISTRY_TOPICS
 from processor.runners.faust import metrics
 from processor.runners.faust.stores import open_store
@@ -577,25 +577,30 @@ class SowLoop:
         return self._admin
 
     def ensure_topics(self, timeout: float = 30.0) -> list[str]:
-        """Create the topology's topics that are missing (with its settings) and check the partition
-        counts of all: at start, and when a batch fails on a topic deleted under the running worker.
-        Returns the names created; a topic with too few partitions (one a client's produce made the
-        broker create) is a ConfigError."""
+        """Create the topology's topics that are missing (with its settings) and check those that
+        exist: their partition counts, the compaction of the changelogs, what the outputs take. At
+        start, and when a batch fails on a topic deleted under the running worker. Returns the names
+        created; a topic that cannot serve (too few partitions, a changelog that is not compacted)
+        is a ConfigError."""
         replication = {"replication_factor": self.topology.replication_factor, "min_insync_replicas": self.topology.min_insync_replicas}
-        created = ensure_topics(self.admin, {**topology_topic_configs(self.topology), **REGISTRY_TOPICS}, timeout, **replication)
+        wanted = topology_topic_configs(self.topology)
+        created = ensure_topics(self.admin, {**wanted, **REGISTRY_TOPICS}, timeout, **replication)
         check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
-        if self._limit_outputs(timeout):
+        configs = described_configs(self.admin, list(wanted), timeout)
+        check_compaction(wanted, configs)
+        if self._limit_outputs(configs):
             self._renew_producer()
         return created
 
-    def _limit_outputs(self, timeout: float) -> bool:
-        """Fit what the loop writes to its output topics' `max.message.bytes` (Kafka's default takes
-        ksow's own limits; an operator may set less): the broker refuses a larger message or batch,
+    def _limit_outputs(self, configs: dict[str, dict[str, str]]) -> bool:
+        """Fit what the loop writes to its output topics' `max.message.bytes`, from their `configs`
+        (Kafka's default takes ksow's own limits; an operator may set less): the broker refuses a larger message or batch,
         and the batch that holds it again each time it is redone, for ever. Records and diffs larger
         than the smallest record topic takes are refused onto `.errors` (the engines' limit), other
         messages cut short (`send`), and the producer's batches stay under the smallest. True when
         the producer's batch size changed (it is made anew to take it)."""
-        limits = {name: max(1, limit - _BATCH_FRAMING) for name, limit in max_message_bytes(self.admin, self._outputs, timeout).items()}
+        limits = {name: max(1, int(configs[name]["max.message.bytes"]) - _BATCH_FRAMING)
+                  for name in self._outputs if configs.get(name, {}).get("max.message.bytes", "").isdigit()}
         if not limits:
             return False
         most = self.settings.max_message_bytes
@@ -1406,7 +1411,7 @@ class SowLoop:
             self._recreate_gone_topics()
         elif code in _TOO_LARGE:
             try:
-                if self._limit_outputs(10):
+                if self._limit_outputs(described_configs(self.admin, self._outputs, 10)):
                     self._renew_producer()
             except KafkaException as exc:  # the next refused batch looks again
                 log.warning("could not read the output topics' max.message.bytes: %s", exc)
