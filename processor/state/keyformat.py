@@ -1,4 +1,5 @@
-"""Stores written under an older SowKey rule: found at start, never mixed with the current rule.
+"""Stores written under an older SowKey rule, or another key definition: found at start, never
+mixed with the current ones.
 
 Key format 2 (`processor.core.keys.KEY_FORMAT`) makes the SowKey from the text of the key values,
 so SowKeys of records keyed by numbers or booleans changed. A store, or the `<topic>.sow` changelog
@@ -9,10 +10,16 @@ store has caught up with the changelog, before any input is applied.
 A store of format 1 is refused only if one of its records has a SowKey the current rule does not
 give it: topics keyed by strings only, and topics whose publishers send `sow-key`, have the same
 SowKeys under both rules and are simply stamped.
+
+The same holds for the topology's key definition (`key` paths, `key_domain`): a store is stamped
+with a fingerprint of the one its records follow, and a worker started with another one scans the
+store and refuses it if a record's SowKey changed (where it kept the old records beside the new
+ones: two records for one key, and updates that never find the record they update).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Generator
 
 from processor.contract.errors import ConfigError
@@ -47,27 +54,46 @@ def stale_key(store: PartitionStore, spec: SowTopic) -> Generator[None, None, tu
     return None
 
 
+_KEY_DEFINITION = "key_definition"  # store metadata: `key_definition` of the topology its records follow
+
+
+def key_definition(spec: SowTopic) -> int:
+    """A fingerprint of what makes `spec`'s SowKeys: the SowKey rule, the key paths and the key domain."""
+    text = repr((KEY_FORMAT, spec.key_spec.domain, spec.key_spec.paths)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+
+
 def check_key_format(store: PartitionStore, spec: SowTopic, partition: int, group: str) -> Generator[None, None, None]:
-    """Raise KeyFormatError if partition `partition` of `spec` holds SowKeys of an older rule;
-    otherwise stamp the store with KEY_FORMAT (committed with its next commit), so the records are
-    scanned only once. Run it (a step every SCAN_STEP records) with nothing staged, after the
-    changelog restore."""
-    if store.key_format() == KEY_FORMAT:
+    """Raise KeyFormatError if partition `partition` of `spec` holds SowKeys of an older rule or of
+    another key definition; otherwise stamp the store with both (committed with its next commit),
+    so the records are scanned only once. Run it (a step every SCAN_STEP records) with nothing
+    staged, after the changelog restore."""
+    definition = key_definition(spec)
+    if store.key_format() == KEY_FORMAT and store.meta(_KEY_DEFINITION) == definition:
         return
     found = yield from stale_key(store, spec)
     if found is not None:
-        raise KeyFormatError(rebuild_message(spec, partition, group, *found))
+        raise KeyFormatError(rebuild_message(spec, partition, group, *found, older_rule=store.key_format() != KEY_FORMAT))
     store.set_key_format(KEY_FORMAT)
+    store.set_meta(_KEY_DEFINITION, definition)
 
 
-def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, current: str | None) -> str:
-    """What the operator reads when a worker refuses a store of an older SowKey rule."""
+def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, current: str | None, older_rule: bool = True) -> str:
+    """What the operator reads when a worker refuses a store of an older SowKey rule, or of
+    another key definition than the topology's."""
     now = f"now has SowKey {current}" if current is not None else "has no valid SowKey now"
     reset = f"kafka-consumer-groups.sh --bootstrap-server <bootstrap> --group {group} --reset-offsets"
+    if older_rule:
+        why = (f"the SOW was written under an older SowKey rule (key format 1, where 5 and \"5\" were two records; "
+               f"this ksow uses key format {KEY_FORMAT}). Its record {stored} {now}. The worker will not mix both rules. "
+               "To rebuild the SOW under the new rule: ")
+    else:
+        key = ", ".join(spec.key_spec.paths)
+        why = (f"the SOW was written under another key definition than the topology's (key [{key}], key_domain "
+               f"{spec.key_spec.domain}): its record {stored} {now}. The worker will not mix both. Put the former key "
+               "back in the topology, name a new topic, or rebuild the SOW under the new key: ")
     return (
-        f"{spec.topic} partition {partition}: the SOW was written under an older SowKey rule (key format 1, "
-        f"where 5 and \"5\" were two records; this ksow uses key format {KEY_FORMAT}). Its record {stored} {now}. "
-        "The worker will not mix both rules. To rebuild the SOW under the new rule: "
+        f"{spec.topic} partition {partition}: {why}"
         f"(1) stop every worker of group {group}; "
         f"(2) delete the SOW: the folder sow/{spec.topic} in each worker's --data-dir, and the topics {spec.sow_topic} "
         "and <view>.sow of the views of this topic; "

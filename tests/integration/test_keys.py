@@ -67,3 +67,35 @@ def test_worker_refuses_a_changelog_of_the_older_key_format(kafka_bootstrap, uni
         assert "the SOW was written under an older SowKey rule" in w.log()
     finally:
         w.kill()
+
+
+def test_worker_refuses_a_sow_written_under_another_key(kafka_bootstrap, unique_name, tmp_path):
+    """The topology's key changed from /id to /code under an existing SOW: the worker stopped
+    keeping the old records beside new ones (a publish of order 1 made a second record of it).
+    It stops in one line, with the choices; with the former key back it serves the SOW as it was."""
+    topic = unique_name
+    path = write_topology(tmp_path, topic)
+    client = Client(kafka_bootstrap, load_topology(path))
+    w = Worker(kafka_bootstrap, path, f"g-{topic}", tmp_path / "d").start()
+    try:
+        for i in range(8):
+            client.publish(topic, {"id": i, "code": f"c{i}"})
+        client.flush()
+        wait_until(lambda: len(client.query(topic)) == 8, 60, "8 records")
+    finally:
+        w.stop()
+    original = path.read_text()
+    path.write_text(original.replace("/id", "/code"))
+    refused = Worker(kafka_bootstrap, path, f"g-{topic}", tmp_path / "d", "refused").start(wait=False)
+    try:
+        assert refused.proc.wait(90) == 1
+    finally:
+        refused.kill()
+    assert "the SOW was written under another key definition than the topology's (key [/code]" in refused.log()
+    assert "Traceback" not in refused.log()
+    path.write_text(original)
+    again = Worker(kafka_bootstrap, path, f"g-{topic}", tmp_path / "d", "again").start()
+    try:
+        wait_until(lambda: sorted(e.record["id"] for e in Client(kafka_bootstrap, load_topology(path)).query(topic)) == list(range(8)), 60, "the SOW as it was")
+    finally:
+        again.stop()

@@ -10,6 +10,8 @@ from processor.contract.types import SowRecord
 from processor.core.keys import KEY_FORMAT
 from processor.state import IndexSpec, open_partition_store
 from processor.state.keyformat import KeyFormatError, check_key_format
+
+import processor.state.keyformat as keyformat
 from processor.topology import SowTopic
 
 ORDERS = SowTopic(topic="orders", key=["/id"], partitions=4)
@@ -70,3 +72,32 @@ def test_publisher_keyed_topics_never_change(store):
     put(store, "any+Base64/key=", {"whatever": 5})
     list(check_key_format(store, SowTopic(topic="t", partitions=4), 0, "ksow"))  # run to its end
     assert store.dirty  # the stamp waits for the store's next commit
+
+
+def test_a_store_written_under_another_key_definition_is_refused(store):
+    """The topology's key changed from /id to /code under an existing SOW: the worker kept the old
+    records beside the new ones (two records for one order, updates that never found theirs)."""
+    data = {"id": "a", "code": "x"}
+    put(store, ORDERS.key_spec.sow_key(data), data)
+    list(check_key_format(store, ORDERS, 0, "ksow"))
+    store.commit()
+    by_code = SowTopic(topic="orders", key=["/code"], partitions=4)
+    with pytest.raises(KeyFormatError) as caught:
+        list(check_key_format(store, by_code, 2, "ksow"))
+    message = str(caught.value)
+    assert message.startswith("orders partition 2: the SOW was written under another key definition than the topology's (key [/code], key_domain orders)")
+    assert f"now has SowKey {by_code.key_spec.sow_key(data)}" in message and "Put the former key back in the topology" in message
+    assert "--reset-offsets --to-earliest --topic orders --topic orders.delta" in message
+    list(check_key_format(store, ORDERS, 0, "ksow"))  # the former key back: no error
+
+
+def test_a_key_definition_that_gives_the_same_sowkeys_is_stamped_and_not_scanned_again(store, monkeypatch):
+    """Another key domain over an empty store changes no SowKey: stamped, and the next start reads
+    the stamp instead of the records."""
+    other = SowTopic(topic="orders", key=["/id"], key_domain="orders-v2", partitions=4)
+    list(check_key_format(store, ORDERS, 0, "ksow"))
+    store.commit()
+    list(check_key_format(store, other, 0, "ksow"))
+    store.commit()
+    monkeypatch.setattr(keyformat, "stale_key", lambda store, spec: pytest.fail("scanned again"))
+    assert list(check_key_format(store, other, 0, "ksow")) == []

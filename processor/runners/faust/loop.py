@@ -1483,7 +1483,7 @@ class SowLoop:
             self._resume_events(task, store)
             return False, False
         count, reseed = yield from self._replaying(task, store)
-        yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule: stop, say how to rebuild
+        yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule or key: stop, say how to rebuild
         log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
         return reseed, spec.persistence is Persistence.SIMPLE and changed_hands
 
