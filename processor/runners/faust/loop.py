@@ -586,7 +586,7 @@ class SowLoop:
         wanted = topology_topic_configs(self.topology)
         created = ensure_topics(self.admin, {**wanted, **REGISTRY_TOPICS}, timeout, **replication)
         check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
-        configs = described_configs(self.admin, list(wanted), timeout)
+        configs = described_configs(self.admin, self._outputs, timeout)  # the changelogs among them
         check_compaction(wanted, configs)
         if self._limit_outputs(configs):
             self._renew_producer()
@@ -594,11 +594,12 @@ class SowLoop:
 
     def _limit_outputs(self, configs: dict[str, dict[str, str]]) -> bool:
         """Fit what the loop writes to its output topics' `max.message.bytes`, from their `configs`
-        (Kafka's default takes ksow's own limits; an operator may set less): the broker refuses a larger message or batch,
-        and the batch that holds it again each time it is redone, for ever. Records and diffs larger
-        than the smallest record topic takes are refused onto `.errors` (the engines' limit), other
-        messages cut short (`send`), and the producer's batches stay under the smallest. True when
-        the producer's batch size changed (it is made anew to take it)."""
+        (Kafka's default takes ksow's own limits; an operator may set less): the broker refuses a
+        larger message or batch, and the batch that holds it again each time it is redone, for
+        ever. Records and diffs larger than the smallest record topic takes are refused onto
+        `.errors` (the engines' limit), other messages cut short (`send`), and the producer's
+        batches stay under the smallest. True when the producer's batch size changed (it is made
+        anew to take it)."""
         limits = {name: max(1, int(configs[name]["max.message.bytes"]) - _BATCH_FRAMING)
                   for name in self._outputs if configs.get(name, {}).get("max.message.bytes", "").isdigit()}
         if not limits:

@@ -205,5 +205,8 @@ class LoopView:
             if exc.args[0].code() not in (KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART):
                 raise
             log.warning("the registry topic %s is gone: creating it again", REGISTRY_TOPIC)
-            ensure_topics(make_admin(self._bootstrap), REGISTRY_TOPICS, 10, self.topology.replication_factor, self.topology.min_insync_replicas)
+            try:
+                ensure_topics(make_admin(self._bootstrap), REGISTRY_TOPICS, 10, self.topology.replication_factor, self.topology.min_insync_replicas)
+            except (KafkaException, TimeoutError) as exc:  # the next announcement tries again
+                log.warning("could not create the registry topic %s: %s", REGISTRY_TOPIC, exc)
         self._producer.poll(0)
