@@ -16,6 +16,9 @@ from processor.contract.errors import ConfigError, InputError
 
 class Codec(Protocol):
     name: str
+    # How values are written: two codecs with one `encoding` read each other's bytes. A store is stamped
+    # with it (processor.state.keyformat), so a changed schema or message_type is found at start.
+    encoding: str
     trims_deltas: bool  # whether delta_fields changes anything (the hot path skips the call otherwise)
 
     def decode(self, data: bytes) -> dict: ...
@@ -77,7 +80,7 @@ def check_nesting(record: dict) -> None:
 
 
 class JsonCodec:
-    name = "json"
+    name = encoding = "json"
     trims_deltas = False
 
     def decode(self, data: bytes) -> dict:
@@ -141,6 +144,8 @@ class AvroCodec:
         self._c_reader_bytes = _C_READER_LEVELS // containers if recursive else sys.maxsize
         self._check_wire = wire_check(self._wire, wire_named)
         self._writer_schema = writer_schema(self.schema, named)
+        # Avro's Parsing Canonical Form: what decides the bytes (not docs, defaults, aliases).
+        self.encoding = "avro " + fastavro.schema.to_parsing_canonical_form(self.schema)
         # A union of several records and maps (all dicts) is read with its named branch's name, which
         # its converter takes off: the C reader and the Python one alike.
         self._c_reader, self._python_reader = fastavro.schemaless_reader, _read_py.schemaless_reader

@@ -15,6 +15,11 @@ The same holds for the topology's key definition (`key` paths, `key_domain`): a 
 with a fingerprint of the one its records follow, and a worker started with another one scans the
 store and refuses it if a record's SowKey changed (where it kept the old records beside the new
 ones: two records for one key, and updates that never find the record they update).
+
+And for the encoding of its records on `<topic>.sow` (`message_type`, the Avro schema's canonical
+form): after a change, the changelog holds values the worker can no longer read, and a store rebuilt
+from it would pass them over. `check_encoding` has the partition write its records back in the new
+encoding (a re-seed), so that each record's last version on `.sow` is one the topology reads.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Generator
 
-from processor.contract.errors import ConfigError
+from processor.contract.errors import ConfigError, InputError
+from processor.core.codec import Codec
 from processor.core.keys import KEY_FORMAT, KeyError_
 from processor.state.base import PartitionStore
 from processor.topology import SowTopic
@@ -78,6 +84,46 @@ def check_key_format(store: PartitionStore, spec: SowTopic, partition: int, grou
     store.set_meta(_KEY_DEFINITION, definition)
 
 
+_ENCODING = "encoding"  # store metadata: `encoding_definition` of the codec its `.sow` records were written with
+
+
+def encoding_definition(codec: Codec) -> int:
+    """A fingerprint of how `codec` writes records (`Codec.encoding`)."""
+    return int.from_bytes(hashlib.blake2b(codec.encoding.encode(), digest_size=7).digest(), "big")
+
+
+class EncodingChangeError(ConfigError):
+    """A record of the SOW cannot be written in the topology's new encoding."""
+
+
+def check_encoding(store: PartitionStore, spec: SowTopic, codec: Codec, partition: int) -> Generator[None, None, bool]:
+    """Whether partition `partition`'s records must be written back to `.sow` because the topology
+    changed how they are encoded since they were written there (its value); the store is stamped
+    with the new encoding (committed with its next commit, after the re-seed's transaction: a crash
+    before it re-seeds again). A store stamped with none (an earlier release, a store rebuilt from
+    the changelog) is stamped. EncodingChangeError, before anything is written, when a record does
+    not fit the new encoding. Run it (a step every SCAN_STEP records) after `check_key_format`."""
+    definition, stamped = encoding_definition(codec), store.meta(_ENCODING)
+    if stamped == definition:
+        return False
+    if stamped:
+        for n, (key, record) in enumerate(store.records(), 1):
+            try:
+                codec.encode(record.data)
+            except InputError as exc:
+                raise EncodingChangeError(
+                    f"{spec.topic} partition {partition}: the topic's encoding changed ({spec.message_type.value}"
+                    f"{', schema ' + spec.schema_ if spec.schema_ else ''}) since its records were written to {spec.sow_topic}, "
+                    f"and its record {key} cannot be written in the new one: {exc}. The worker writes every record back in "
+                    "the new encoding (a rebuild reads no other); put the former schema back, or make the new schema take "
+                    "the records it has (a field added with a default, a field made a union with null)"
+                ) from None
+            if n % SCAN_STEP == 0:
+                yield
+    store.set_meta(_ENCODING, definition)
+    return bool(stamped) and store.count() > 0
+
+
 def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, current: str | None, older_rule: bool = True) -> str:
     """What the operator reads when a worker refuses a store of an older SowKey rule, or of
     another key definition than the topology's."""
@@ -105,4 +151,4 @@ def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, cur
     )
 
 
-__all__ = ["KeyFormatError", "check_key_format", "rebuild_message", "stale_key"]
+__all__ = ["EncodingChangeError", "KeyFormatError", "check_encoding", "check_key_format", "encoding_definition", "rebuild_message", "stale_key"]

@@ -101,3 +101,67 @@ def test_a_key_definition_that_gives_the_same_sowkeys_is_stamped_and_not_scanned
     store.commit()
     monkeypatch.setattr(keyformat, "stale_key", lambda store, spec: pytest.fail("scanned again"))
     assert list(check_key_format(store, other, 0, "ksow")) == []
+
+
+def run(steps):
+    """A check generator run to its end: its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def avro(tmp_path, name: str, *fields: dict, doc: str = ""):
+    from processor.core.codec import codec_for
+
+    path = tmp_path / f"{name}.avsc"
+    path.write_text(orjson.dumps({"type": "record", "name": "Order", "doc": doc, "fields": [
+        {"name": "id", "type": "long"}, {"name": "status", "type": "string"}, *fields]}).decode())
+    return codec_for("avro", str(path))
+
+
+AVRO_ORDERS = SowTopic(topic="orders", key=["/id"], partitions=4, message_type="avro", schema="v2.avsc")
+
+
+def test_a_changed_encoding_makes_the_partition_write_its_records_again_once(tmp_path, store):
+    from processor.core.codec import JsonCodec
+
+    put(store, "k1", {"id": 1, "status": "new"})
+    assert run(keyformat.check_encoding(store, ORDERS, JsonCodec(), 0)) is False  # no stamp yet (an earlier release): stamped
+    store.commit()
+    assert run(keyformat.check_encoding(store, ORDERS, JsonCodec(), 0)) is False
+    v1 = avro(tmp_path, "v1")
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 0)) is True  # json -> avro
+    store.commit()
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 0)) is False
+    v2 = avro(tmp_path, "v2", {"name": "qty", "type": "long", "default": 0})
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0)) is True  # a field added with a default
+    store.commit()
+    same_bytes = avro(tmp_path, "v2doc", {"name": "qty", "type": "long", "default": 7}, doc="what an order is")
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, same_bytes, 0)) is False  # docs and defaults do not change the bytes
+
+
+def test_an_empty_store_is_stamped_without_writing_anything_again(tmp_path, store):
+    from processor.core.codec import JsonCodec
+
+    run(keyformat.check_encoding(store, ORDERS, JsonCodec(), 0))
+    store.commit()
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, avro(tmp_path, "v1"), 0)) is False
+    assert store.meta("encoding") == keyformat.encoding_definition(avro(tmp_path, "v1"))
+
+
+def test_a_record_the_new_encoding_cannot_write_stops_the_worker_before_anything_is_written(tmp_path, store):
+    v1 = avro(tmp_path, "v1")
+    put(store, "k1", {"id": 1, "status": "new"})
+    run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 2))
+    store.commit()
+    stamped = store.meta("encoding")
+    v2 = avro(tmp_path, "v2", {"name": "qty", "type": "long"})  # required, no default: the records lack it
+    with pytest.raises(keyformat.EncodingChangeError) as caught:
+        run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 2))
+    assert isinstance(caught.value, ConfigError)
+    message = str(caught.value)
+    assert message.startswith("orders partition 2: the topic's encoding changed (avro, schema v2.avsc) since its records were written to orders.sow")
+    assert "its record k1 cannot be written in the new one" in message and "qty" in message
+    assert store.meta("encoding") == stamped

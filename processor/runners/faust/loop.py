@@ -61,7 +61,7 @@ from processor.kafka.registry import REGISTRY_TOPICS
 from processor.runners.faust import metrics
 from processor.runners.faust.stores import open_store
 from processor.state.base import PartitionStore, open_partition_store
-from processor.state.keyformat import check_key_format
+from processor.state.keyformat import check_encoding, check_key_format
 from processor.topology import Persistence, Topology
 
 log = logging.getLogger("ksow.loop")
@@ -1485,6 +1485,13 @@ class SowLoop:
             return False, False
         count, reseed = yield from self._replaying(task, store)
         yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule or key: stop, say how to rebuild
+        if (yield from check_encoding(store, spec, task.engine.codec, task.p)) and not reseed:
+            log.warning("%s partition %d: the topic's encoding changed since its records were written to %s: writing its %d "
+                        "records there again in the new one", spec.topic, task.p, spec.sow_topic, store.count())
+            metrics.RESEEDS.inc()
+            reseed = True
+        if not reseed:  # the stamps, now: a store that stopped before its next commit would be taken for an earlier release's
+            store.commit()
         log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
         return reseed, spec.persistence is Persistence.SIMPLE and changed_hands
 

@@ -19,7 +19,7 @@ ENFORCED = Counter("ksow_enforced_order", "Batches applied without waiting longe
 ABORTED = Counter("ksow_aborted_batches", "Batches whose transaction was aborted (fenced, rebalanced, broker error)", registry=REGISTRY)
 CHECKPOINTS = Counter("ksow_delete_checkpoints", "Commits in the middle of a sow_delete that removes many records (KSOW_DELETE_CHUNK)", registry=REGISTRY)
 TOPICS_RECREATED = Counter("ksow_topics_recreated", "Topics of the topology deleted under a running worker and created again by it", registry=REGISTRY)
-RESEEDS = Counter("ksow_changelog_reseeds", "Partitions whose store re-seeded a deleted or truncated .sow changelog", registry=REGISTRY)
+RESEEDS = Counter("ksow_changelog_reseeds", "Partitions whose store wrote its records back to .sow: the changelog was deleted or truncated, or the topic's encoding changed", registry=REGISTRY)
 CHANGELOG_SKIPPED = Counter("ksow_changelog_skipped", "Records of .sow that were not SOW records, skipped on restore", registry=REGISTRY)
 # Where the loop thread's time goes (wall time, summed): a worker that falls behind shows which step
 # holds it, without a profiler. consume: waiting for and taking inputs; file: queueing them;
