@@ -17,8 +17,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from processor.contract.errors import InputError
 from processor.contract.limits import delete_chunk, delete_filter_seconds, max_record_bytes
-from processor.contract import headers as H
-from processor.contract.types import Command, Op, Output, SowCommand, SowRecord
+from processor.contract.types import Command, Op, SowCommand, SowRecord
 from processor.core.bookmarks import SEQ_PARTITION_BITS
 from processor.core.codec import Codec
 from processor.core.expiry import is_due
@@ -275,19 +274,6 @@ class SowPartition:
         for key, record in list(records):
             self.state.remove(key)
             self._removed(Op.EXPIRE if expires and is_due(record.expires_at, now) else Op.DELETE, key, record, now, out)
-
-    def reseed(self, records: Iterable[tuple[str, SowRecord]], out: list) -> None:
-        """Write the records back to a `.sow` changelog that lost them (deleted and recreated): the same
-        versions, with their own event IDs and last-change instants (the messages' timestamps, as
-        `render` gives them), and nothing on `.diff` since nothing changed."""
-        sow = self.streams.sow
-        encode = self.codec.encode
-        for key, record in records:
-            kb = key.encode()
-            headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
-            if record.expires_at is not None:
-                headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
-            out.append(Output(sow, self.p, kb, encode(record.data), headers, True, record.updated_at))
 
     # outputs -----------------------------------------------------------------------
     def _sink(self, out) -> Sink:

@@ -142,6 +142,20 @@ class SowTopicEngine:
         state.put_many(writes)
         return skipped
 
+    def reseed(self, p: int, records: Iterable[tuple[str, SowRecord]]) -> list[Output]:
+        """The `.sow` messages that write records back to partition p's changelog (it was deleted and
+        created again, or the topic's encoding changed): the same versions, with their own event IDs
+        and last-change instants (the messages' timestamps, as `render` gives them), in the
+        topology's encoding; nothing on `.diff`, since nothing changed."""
+        sow, encode, out = self.spec.sow_topic, self.codec.encode, []
+        for key, record in records:
+            kb = key.encode()
+            headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
+            if record.expires_at is not None:
+                headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
+            out.append(Output(sow, p, kb, encode(record.data), headers, True, record.updated_at))
+        return out
+
     def resume_events(self, state: PartitionState, headers) -> None:
         """Take the event ID of one of this topic's own output messages (the last `.diff` events of a
         transient partition, which keeps no changelog, when it changes owner): the partition's next

@@ -357,6 +357,19 @@ class PartitionStore:
         for k, v in self.backend.scan(_REC, _REC + _END):
             yield k[1:].decode(), decode_record(v)
 
+    def latest(self) -> Iterator[tuple[str, SowRecord]]:
+        """Every committed record as the writes staged over it leave it (one staged away is left
+        out), in SowKey byte order; records only staged are not listed. For a re-seed after a replay
+        staged a recreated changelog's newer versions; nothing may be staged meanwhile."""
+        staged = self._staged
+        for key, record in self.records():
+            if key in staged:
+                newer = staged[key]
+                if newer is None:
+                    continue
+                record = newer
+            yield key, record
+
     def matching(self, predicate) -> Iterator[str]:
         """SowKeys of the records the batch in flight sees whose data satisfies a compiled filter, as
         of the call: the caller may remove records and commit while this runs (a long delete

@@ -217,6 +217,79 @@ def test_a_changelog_reseed_whose_transaction_aborts_is_done_again(monkeypatch, 
     assert loop.tasks[("orders", 0)].store.meta("changelog") == 3  # the end of what it wrote
 
 
+def test_a_reseed_after_a_recreated_changelog_writes_the_versions_the_new_log_gave(monkeypatch, tmp_path):
+    """The store is ahead of a recreated `.sow` on which another worker already wrote (a newer
+    version of record 1, a tombstone of record 2): the replay stages those over the store's
+    records, and the re-seed must write record 1 as the new log has it and leave record 2 out. It
+    wrote the store's committed versions: `.sow` ended with the old record 1 and record 2 back,
+    unlike the store."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    key = lambda n: spec.key_spec.sow_key({"id": n})  # noqa: E731
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    for i in range(3):
+        store.put(key(i), SowRecord({"id": i, "v": "old"}, (i + 1) << 10, None, 1_000 + i))
+    store.set_meta("changelog", 10)  # no incarnation: a log that ends before the store's position was recreated
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    new_log = [Message("orders.sow", 0, 0, orjson.dumps({"id": 1, "v": "new"}), 5_000, key=key(1).encode(),
+                       headers=[("sow-op", b"update"), ("sow-seq", b"99999")]),
+               Message("orders.sow", 0, 1, None, 5_001, key=key(2).encode(), headers=[("sow-op", b"delete")])]
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    monkeypatch.setattr(loop_module, "end_offsets", lambda c, topic, partitions, timeout=30.0: {
+        p: (0, len(new_log)) if topic == "orders.sow" else (0, 0) for p in partitions})
+    monkeypatch.setattr(loop_module, "read_batches", lambda consumer, ends, size: iter([new_log]))
+    assign(loop, consumer)
+    loop.cycle()
+    assert loop.tasks[("orders", 0)].restored
+    written = {orjson.loads(v)["id"]: orjson.loads(v) for p in producers for topic, _, _, v in p.delivered if topic == "orders.sow"}
+    assert written == {0: {"id": 0, "v": "old"}, 1: {"id": 1, "v": "new"}}
+    assert loop.tasks[("orders", 0)].store.get(key(2)) is None
+
+
+def test_a_reseed_takes_a_transaction_a_step_and_is_done_again_from_the_start_after_an_abort(monkeypatch, tmp_path):
+    """The topic's encoding changed (the store is stamped with another): its 12 records go back to
+    `.sow` 5 a step, each step in the transaction of the cycle it ran in (one transaction for a
+    whole SOW outlasted the transaction timeout: a million records took 7 s). The stamp becomes
+    durable only with the store commit after the last step; when a step's transaction aborts, the
+    re-seed starts again from the first record, and the partition is served only once it is done."""
+    from processor.core.codec import JsonCodec
+    from processor.state.base import _INT, _META
+    from processor.state.keyformat import encoding_definition
+
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    for i in range(12):
+        store.put(spec.key_spec.sow_key({"id": i}), SowRecord({"id": i}, (i + 1) << 10, None, 1_000 + i))
+    store.set_meta("changelog_incarnation", 7)  # the log the scripted admin names: not recreated
+    store.set_meta("encoding", 1234)  # written in another encoding
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    monkeypatch.setattr(loop_module, "_RESEED_STEP", 5)
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0, restore_slice_ms=1)
+    assign(loop, consumer)
+
+    def stamp() -> int:  # the committed one
+        return _INT.unpack(loop.tasks[("orders", 0)].store.backend.get(_META + b"encoding"))[0]
+
+    def written() -> list[int]:
+        return [orjson.loads(v)["id"] for p in producers for topic, _, _, v in p.delivered if topic == "orders.sow"]
+
+    order = [i for _, i in sorted((spec.key_spec.sow_key({"id": i}).encode(), i) for i in range(12))]  # SowKey byte order
+    loop.cycle()
+    assert written() == order[:5] and stamp() == 1234  # the stamp is not durable yet
+    producers[-1].fail_next_commit = KafkaError(KafkaError._TIMED_OUT)  # the second step's transaction aborts
+    loop.cycle()
+    assert producers[-1].aborted == 1 and len(written()) == 5 and stamp() == 1234
+    assert not loop.tasks[("orders", 0)].restored
+    for _ in range(5):
+        loop.cycle()
+    assert loop.tasks[("orders", 0)].restored
+    assert written()[5:] == order  # again from the start
+    assert stamp() == encoding_definition(JsonCodec())
+
+
 @pytest.mark.parametrize("read_ago_ms, kept", [(3_600_000, 3), (2 * 86_400_000, 0)])
 def test_a_store_that_read_its_changelog_longer_ago_than_tombstones_are_kept_is_rebuilt(monkeypatch, tmp_path, read_ago_ms, kept):
     """A store parked (on disk, or in a worker) while other workers owned its partition replays

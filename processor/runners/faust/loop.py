@@ -242,6 +242,7 @@ class Task:
 
 _RESTORE_BATCH = 1000  # `.sow` records a restore reads, parses and stages at once
 _RESTORE_COMMIT = 20_000  # records a restore reads between two commits of the store (with its position)
+_RESEED_STEP = 5_000  # records a re-seed writes back to `.sow` a step (about 70 ms)
 
 _KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut message keeps besides half its value
 
@@ -1450,13 +1451,14 @@ class SowLoop:
         for task in pending:
             try:
                 while True:
-                    next(task.replay)
+                    for o in next(task.replay) or ():  # a re-seed's step: into this batch's transaction
+                        out.append(o)
                     self._sweep_if_due(out)
                     if time.monotonic() >= deadline:
                         break
             except StopIteration as done:
                 task.replay = None
-                self._serve(task, *done.value, out)
+                self._serve(task, done.value, out)
             except BaseException:
                 task.replay = None  # a restore that raised is over: the next one starts again (from the store rolled back)
                 raise
@@ -1465,9 +1467,10 @@ class SowLoop:
         if any(not t.restored for t in self.tasks.values()):
             self._more = True  # the next consume does not wait: the restore goes on
 
-    def _restoring(self, task: Task) -> Generator[None, None, tuple[bool, bool]]:
-        """The restore of one partition, a step a `.sow` batch (`_restore_some`); returns whether the
-        partition must then write its records back to `.sow` (re-seed) and whether it must purge them."""
+    def _restoring(self, task: Task) -> Generator[list[Output] | None, None, bool]:
+        """The restore of one partition, a step a `.sow` batch (`_restore_some`), then the re-seed of
+        its changelog if it needs one (a step yields its messages); returns whether the partition
+        must then purge its records."""
         spec = task.engine.spec
         store = task.store or self._parked.pop(task.name, None)
         # A store this process still holds (an eager rebalance gave the partition back, or an abort
@@ -1482,7 +1485,7 @@ class SowLoop:
         task.store = store
         if spec.persistence is Persistence.TRANSIENT:
             self._resume_events(task, store)
-            return False, False
+            return False
         count, reseed = yield from self._replaying(task, store)
         yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule or key: stop, say how to rebuild
         if (yield from check_encoding(store, spec, task.engine.codec, task.p)) and not reseed:
@@ -1490,17 +1493,35 @@ class SowLoop:
                         "records there again in the new one", spec.topic, task.p, spec.sow_topic, store.count())
             metrics.RESEEDS.inc()
             reseed = True
-        if not reseed:  # the stamps, now: a store that stopped before its next commit would be taken for an earlier release's
+        if reseed:
+            yield from self._reseeding(task, store)
+        else:  # the stamps, now: a store that stopped before its next commit would be taken for an earlier release's
             store.commit()
         log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
-        return reseed, spec.persistence is Persistence.SIMPLE and changed_hands
+        return spec.persistence is Persistence.SIMPLE and changed_hands
 
-    def _serve(self, task: Task, reseed: bool, purge: bool, out: "_Batch") -> None:
+    def _reseeding(self, task: Task, store: PartitionStore) -> Generator[list[Output], None, None]:
+        """Write the store's records back to `<topic>.sow`, `_RESEED_STEP` a step: each step's
+        messages go into the batch the restore runs in, so a large SOW takes many transactions, not
+        one that outlasts the transaction timeout and aborts each time it is redone (a million
+        records took 7 s here). The partition is not served meanwhile: its inputs wait and its store
+        does not change. What says the re-seed is done (the recreated log's incarnation and position,
+        the encoding's stamp) stays staged until the store commits, after the transaction of the
+        last step; an abort or a crash before then re-seeds again from the start. Each record goes
+        out as the store has it now: after a recreated changelog's replay, the version that log gave."""
+        reseed, p, records = task.engine.reseed, task.p, []
+        for record in store.latest():
+            records.append(record)
+            if len(records) == _RESEED_STEP:
+                yield reseed(p, records)
+                records = []
+        if records:
+            yield reseed(p, records)
+
+    def _serve(self, task: Task, purge: bool, out: "_Batch") -> None:
         """A partition whose restore is done: attached to its engine, and served from now on. What it
-        tells (a re-seed, a purge) goes in the batch's transaction; the store commits after it."""
+        tells (a purge) goes in the batch's transaction; the store commits after it."""
         partition = task.engine.attach(task.p, task.store)
-        if reseed:
-            partition.reseed(task.store.records(), out)
         if purge:  # a `simple` SOW does not survive its owner: `.sow` is told
             partition.purge(task.store.records(), time.time_ns() // 1_000_000, out)
         if task.engine.conflates:
