@@ -35,7 +35,7 @@ from processor.core.expiry import ExpiryPolicy
 from processor.core.keys import KeyError_, owner_partition, validate_user_keys
 from processor.core.paths import within
 from processor.core.subscription import SubscriptionSpec, conflate_event
-from processor.kafka.clients import answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
+from processor.kafka.clients import READER_NOISE, answered_metadata, end_offsets, message_headers, make_consumer, make_producer, produce, raise_if_refused, read_until, resolve_bootstrap
 from processor.query.engine import QueryError, SowQuery, order_and_cut, order_results, result, selection, through_view
 from processor.topology import Persistence, SowTopic, Topology, load_topology, schema_base, topology_path
 
@@ -741,7 +741,7 @@ class Client:
                 now = time.monotonic()
                 for msg in msgs:
                     if msg.error():
-                        if msg.error().code() == KafkaError._PARTITION_EOF:
+                        if msg.error().code() == KafkaError._PARTITION_EOF or msg.error().code() in READER_NOISE:
                             continue
                         raise KafkaException(msg.error())
                     idle_since = now

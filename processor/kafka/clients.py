@@ -140,6 +140,13 @@ def make_producer(bootstrap: str, **overrides) -> Producer:
     return Producer(_client_config(bootstrap, defaults, overrides))
 
 
+# A reader (no `group`) has a group.id only because confluent-kafka requires one: it assigns, never
+# joins or commits. librdkafka looks up its coordinator all the same, and on a cluster whose ACLs
+# give the user no access to that group it tells each read "Group authorization failed", which is
+# not about the data: readers pass it over (a restore failed on it, and aborted, for ever).
+READER_NOISE = frozenset((KafkaError.GROUP_AUTHORIZATION_FAILED,))
+
+
 def make_consumer(bootstrap: str, group: str | None = None, **overrides) -> Consumer:
     defaults = {
         "group.id": group or f"ksow-reader-{os.getpid()}-{time.monotonic_ns()}",
@@ -271,6 +278,13 @@ def ensure_topics(
                     log.warning("%s: this cluster does not take %s; publishers' stamps far in the future are not refused", name, FUTURE_STAMPS)
                     ensure_topics(admin, {name: (missing[name][0], {k: v for k, v in missing[name][1].items() if k != FUTURE_STAMPS})},
                                   timeout, replication_factor, min_insync_replicas)
+                elif exc.args[0].code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED):
+                    # It says neither the topic nor what is missing; a topic the user may not see looks missing too.
+                    raise KafkaRefused(
+                        f"this client is not authorized to create Kafka topic {name} ({exc.args[0].str()}), or to see it if it "
+                        "exists: grant its user CREATE on it, or create it beforehand (README, \"Topics\"), and DESCRIBE, "
+                        "DESCRIBE_CONFIGS, READ and WRITE on it (Kafka ACLs)"
+                    ) from None
                 elif exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                     raise
     deadline = time.monotonic() + timeout
@@ -433,6 +447,8 @@ def read_batches(consumer: Consumer, ends: dict[tuple[str, int], int], idle_time
             end = remaining.get(tp)
             err = msg.error()
             if err is not None:
+                if err.code() in READER_NOISE:
+                    continue
                 if err.code() != KafkaError._PARTITION_EOF:
                     if batch:  # what came before the error is handed out first, as one by one
                         yield batch

@@ -727,3 +727,28 @@ def test_an_errors_record_larger_than_its_topic_takes_is_cut_short(monkeypatch, 
     assert cut == big[:(3000 - 512) // 2]
     (said,) = [headers for topic, headers in producers[-1].headers if topic == "orders.errors"]
     assert [v for k, v in said if k == "sow-error"][-1].startswith(b"message of ")
+
+
+def test_a_batch_that_keeps_aborting_is_redone_less_and_less_often_until_one_commits(monkeypatch, tmp_path):
+    """A failure that outlasts a retry (an output's WRITE ACL taken away) aborted every batch and
+    redid it at once: about 5 aborts a second, each with its warnings, for as long as it lasted.
+    From the second abort in a row each redo waits twice as long as the last (0.2 s up to 5 s);
+    a commit ends it."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    waits: list[float] = []
+    monkeypatch.setattr(loop._stop, "wait", lambda timeout=None: waits.append(timeout) or False)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    ends = [end_of("orders", 0, 1), end_of("orders.delta", 0, 0), end_of("orders.repartition", 0, 0)]
+    for _ in range(8):
+        producers[-1].fail_next_commit = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+        consumer.script.append([Message("orders", 0, 0, _record(0), t0), *ends])
+        loop.cycle()
+    assert waits == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+    consumer.script.append([Message("orders", 0, 0, _record(0), t0), *ends])
+    loop.cycle()
+    assert [orjson.loads(v) for p in producers for topic, _, _, v in p.delivered if topic == "orders.sow"] == [{"id": 0}]
+    producers[-1].fail_next_commit = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    consumer.script.append([Message("orders", 0, 1, _record(1), t0 + 1), end_of("orders", 0, 2), *ends[1:]])
+    loop.cycle()
+    assert len(waits) == 7  # the first abort after a commit is redone at once

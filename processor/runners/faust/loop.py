@@ -208,6 +208,11 @@ _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_T
 _TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
 _BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
 _HEADERS_ROOM = 1024  # bytes a record's key and headers may add to it in its message
+# A batch aborted again right after it was redone meets a failure that outlasts a retry (an ACL
+# taken away, a broker that refuses what it holds): each further redo waits twice as long as the
+# last, from _ABORT_PAUSE_S up to _ABORT_PAUSE_MAX_S, until a batch commits (it spun at about 5 a second).
+_ABORT_PAUSE_S = 0.2
+_ABORT_PAUSE_MAX_S = 5.0
 _TOPICS_CHECK_S = 30.0  # at most one look for gone topics in this many seconds (a broker away blocks one for 10 s)
 STALL_SECONDS = 1.0  # a gap in the loop after which what its inputs' ends said is not trusted (_check_awake)
 _AFTER_ALL = float("inf")  # in a bound (time, ..., _AFTER_ALL): after every entry of that time (and rank, partition)
@@ -538,6 +543,7 @@ class SowLoop:
         self._worked = 0.0  # time.monotonic() of the last cycle that consumed, applied or expired something
         self._working = False  # the cycle running now consumed inputs (busy())
         self._in_txn = False
+        self._aborts_in_a_row = 0  # since the last commit (_recover's pause)
         self._noted_at = 0  # when (ms) the owned stores last noted they are current (_note_current)
         self._lag: Counter = Counter()  # input lag by SOW topic, as last measured (_measure_lag)
         self._lag_at = 0.0
@@ -1308,6 +1314,7 @@ class SowLoop:
             else:
                 self._abort(exc.args[0] if exc.args else exc)
             return False
+        self._aborts_in_a_row = 0
         self._committed.update(committing)
         if _KILLS:
             _kill("store")
@@ -1388,6 +1395,8 @@ class SowLoop:
             for tp in committed:
                 tp.offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing was committed
                 self.consumer.seek(tp)
+        if self._aborts_in_a_row > 1:
+            self._stop.wait(min(_ABORT_PAUSE_MAX_S, _ABORT_PAUSE_S * 2 ** (self._aborts_in_a_row - 2)))
 
     def _abort(self, err: object) -> None:
         """Abort the open transaction and forget everything it changed: the stores' staged writes, the
@@ -1396,6 +1405,7 @@ class SowLoop:
         every partition goes (eager rebalancing) and the next assignment starts from them."""
         log.warning("batch not committed, aborting it: %s", err)
         metrics.ABORTED.inc()
+        self._aborts_in_a_row += 1
         self._applying = None
         self._open = None
         self._waiting_since.clear()  # the inputs are read again: no merge is waiting on one yet
