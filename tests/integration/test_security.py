@@ -284,6 +284,37 @@ def _worker_user(secured, tmp_path, name: str, *, expired_topic: bool = True) ->
     return principal, config
 
 
+def test_a_user_who_may_only_read_the_topics_queries_and_subscribes(secured, topic, tmp_path):
+    """The client's readers of `.sow` have a group.id only because confluent-kafka requires one; a
+    user with no ACL on such a group got "Group authorization failed" from every read, so `ksow
+    query` without workers, and `ksow subscribe`, failed for anyone but a super user."""
+    from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType,
+                                       ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion)
+
+    name, path = topic
+    user = f"reader_{uuid.uuid4().hex[:6]}"
+    admin = make_admin(secured.bootstrap)
+    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"reader-password")
+    for future in admin.alter_user_scram_credentials([upsert]).values():
+        future.result(30)
+    grants = [AclBinding(ResourceType.TOPIC, prefix, ResourcePatternType.PREFIXED, f"User:{user}", "*", operation, AclPermissionType.ALLOW)
+              for prefix in (name, "__ksow") for operation in (AclOperation.READ, AclOperation.DESCRIBE)]
+    for future in admin.create_acls(grants).values():
+        future.result(30)
+    config = tmp_path / "reader.properties"
+    config.write_text(secured.client_config_path.read_text()
+                      .replace(f"sasl.username={secured.client_config['sasl.username']}", f"sasl.username={user}")
+                      .replace(secured.client_config["sasl.password"], "reader-password"))
+    key = put_on_sow(secured.bootstrap, load_topology(path).sow[0], {"id": 3, "v": "read"})
+    time.sleep(2)  # the authorizer takes the new ACLs
+    done = ksow("query", "--kafka-config", str(config), "--topology", str(path), name)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(r["sow_key"], r["record"]) for r in map(orjson.loads, done.stdout.splitlines())] == [(key, {"id": 3, "v": "read"})]
+    done = ksow("subscribe", name, "--sow", "--timeout", "3", "--kafka-config", str(config), "--topology", str(path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [orjson.loads(line)["record"] for line in done.stdout.splitlines()] == [{"id": 3, "v": "read"}]
+
+
 def test_a_worker_not_allowed_to_create_one_of_its_topics_is_told_which(secured, as_admin, tmp_path):
     """It said "Kafka: Authorization failed." and nothing else (here: no ACL on EXP.<topic>)."""
     name = f"secexp_{uuid.uuid4().hex[:8]}"
