@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pytest
@@ -164,20 +165,32 @@ def test_a_refused_login_is_told_with_its_reason_and_a_worker_pool_stops_at_once
     assert "restarting" not in done.stderr and time.monotonic() - began < 30
 
 
-def test_a_user_without_access_is_told_which_topic_it_may_not_use(secured, topic, tmp_path):
-    """Audit: a user the authorizer gives no access got "Unknown partition" after 31-37 s."""
-    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+def _user(secured, tmp_path, role: str, grants=()) -> tuple[str, Path]:
+    """A new SCRAM user of the secured broker allowed `grants`, (resource type, name, pattern type,
+    operation) each: (its principal, a client config file that logs in as it)."""
+    from confluent_kafka.admin import AclBinding, AclPermissionType, ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
-    name, path = topic
-    user = f"nobody_{uuid.uuid4().hex[:6]}"
-    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"nobody-password")
+    user, password = f"{role}_{uuid.uuid4().hex[:6]}", f"{role}-password"
     admin = make_admin(secured.bootstrap)
+    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), password.encode())
     for future in admin.alter_user_scram_credentials([upsert]).values():
         future.result(30)
-    config = tmp_path / "nobody.properties"
+    principal = f"User:{user}"
+    if grants:
+        bindings = [AclBinding(kind, name, pattern, principal, "*", operation, AclPermissionType.ALLOW) for kind, name, pattern, operation in grants]
+        for future in admin.create_acls(bindings).values():
+            future.result(30)
+    config = tmp_path / f"{role}.properties"
     config.write_text(secured.client_config_path.read_text()
                       .replace(f"sasl.username={secured.client_config['sasl.username']}", f"sasl.username={user}")
-                      .replace(secured.client_config["sasl.password"], "nobody-password"))
+                      .replace(secured.client_config["sasl.password"], password))
+    return principal, config
+
+
+def test_a_user_without_access_is_told_which_topic_it_may_not_use(secured, topic, tmp_path):
+    """Audit: a user the authorizer gives no access got "Unknown partition" after 31-37 s."""
+    name, path = topic
+    _, config = _user(secured, tmp_path, "nobody")
     for command, topic_named in ((["query", name], f"{name}.sow"), (["subscribe", name, "--sow", "--timeout", "3"], f"{name}.sow"),
                                  (["delete", name, "--keys", "x"], name)):
         began = time.monotonic()
@@ -256,55 +269,28 @@ def test_ksow_broker_secured_prints_address_then_client_config():
             proc.wait()
 
 
-def _worker_user(secured, tmp_path, name: str, *, expired_topic: bool = True) -> tuple[str, "object"]:
-    """A user that may do what a worker of SOW topic `name` does (ACLs on its topics, the registry,
-    its group and transactional ids; with `expired_topic`, on EXP.<name> too): (principal, its client
-    config file)."""
-    from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType,
-                                       ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion)
+def _worker_user(secured, tmp_path, name: str, *, expired_topic: bool = True) -> tuple[str, Path]:
+    """A user that may do what a worker of SOW topic `name` does (ALL on its topics, the registry,
+    its group and transactional IDs; with `expired_topic`, on EXP.<name> too), as the README says."""
+    from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 
-    user = f"worker_{uuid.uuid4().hex[:6]}"
-    admin = make_admin(secured.bootstrap)
-    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"worker-password")
-    for future in admin.alter_user_scram_credentials([upsert]).values():
-        future.result(30)
-    principal = f"User:{user}"
     resources = [(ResourceType.TOPIC, name, ResourcePatternType.PREFIXED), (ResourceType.TOPIC, "__ksow", ResourcePatternType.PREFIXED),
                  (ResourceType.GROUP, f"g-{name}", ResourcePatternType.LITERAL),
                  (ResourceType.TRANSACTIONAL_ID, f"ksow-g-{name}", ResourcePatternType.PREFIXED)]
     if expired_topic:
         resources.append((ResourceType.TOPIC, f"EXP.{name}", ResourcePatternType.PREFIXED))
-    grants = [AclBinding(kind, resource, pattern, principal, "*", AclOperation.ALL, AclPermissionType.ALLOW) for kind, resource, pattern in resources]
-    for future in admin.create_acls(grants).values():
-        future.result(30)
-    config = tmp_path / "worker.properties"
-    config.write_text(secured.client_config_path.read_text()
-                      .replace(f"sasl.username={secured.client_config['sasl.username']}", f"sasl.username={user}")
-                      .replace(secured.client_config["sasl.password"], "worker-password"))
-    return principal, config
+    return _user(secured, tmp_path, "worker", [(*resource, AclOperation.ALL) for resource in resources])
 
 
 def test_a_user_who_may_only_read_the_topics_queries_and_subscribes(secured, topic, tmp_path):
     """The client's readers of `.sow` have a group.id only because confluent-kafka requires one; a
     user with no ACL on such a group got "Group authorization failed" from every read, so `ksow
     query` without workers, and `ksow subscribe`, failed for anyone but a super user."""
-    from confluent_kafka.admin import (AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType,
-                                       ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion)
+    from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 
     name, path = topic
-    user = f"reader_{uuid.uuid4().hex[:6]}"
-    admin = make_admin(secured.bootstrap)
-    upsert = UserScramCredentialUpsertion(user, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), b"reader-password")
-    for future in admin.alter_user_scram_credentials([upsert]).values():
-        future.result(30)
-    grants = [AclBinding(ResourceType.TOPIC, prefix, ResourcePatternType.PREFIXED, f"User:{user}", "*", operation, AclPermissionType.ALLOW)
-              for prefix in (name, "__ksow") for operation in (AclOperation.READ, AclOperation.DESCRIBE)]
-    for future in admin.create_acls(grants).values():
-        future.result(30)
-    config = tmp_path / "reader.properties"
-    config.write_text(secured.client_config_path.read_text()
-                      .replace(f"sasl.username={secured.client_config['sasl.username']}", f"sasl.username={user}")
-                      .replace(secured.client_config["sasl.password"], "reader-password"))
+    _, config = _user(secured, tmp_path, "reader", [(ResourceType.TOPIC, prefix, ResourcePatternType.PREFIXED, operation)
+                                                     for prefix in (name, "__ksow") for operation in (AclOperation.READ, AclOperation.DESCRIBE)])
     key = put_on_sow(secured.bootstrap, load_topology(path).sow[0], {"id": 3, "v": "read"})
     time.sleep(2)  # the authorizer takes the new ACLs
     done = ksow("query", "--kafka-config", str(config), "--topology", str(path), name)
