@@ -49,6 +49,9 @@ def _resume_after(state: PartitionState, seq: int) -> None:
     state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
 
 
+_STAMP_MARGIN_MS = 60_000  # a re-seeded timestamp's margin over the oldest `.sow` takes (clocks, the time to send)
+
+
 class _Held(Exception):
     """An input that would touch a partition this runner owns but is still restoring: `handle`
     stops before it, and it waits with what follows it, so the inputs keep their order."""
@@ -81,6 +84,9 @@ class SowTopicEngine:
         # The largest encoded record or diff a write may produce (KSOW_MAX_RECORD_BYTES): a runner
         # lowers it to what its output topics take (`limit_record_bytes`).
         self.max_record_bytes = max_record_bytes()
+        # How old a timestamp `.sow` takes (its message.timestamp.before.max.ms under CreateTime; None:
+        # any): a runner sets it from the topic's configuration (`reseed` keeps within it).
+        self.sow_stamp_age_ms: int | None = None
 
     # partitions -----------------------------------------------------------------------
     def attach(self, p: int, state: PartitionState) -> SowPartition:
@@ -142,18 +148,21 @@ class SowTopicEngine:
         state.put_many(writes)
         return skipped
 
-    def reseed(self, p: int, records: Iterable[tuple[str, SowRecord]]) -> list[Output]:
+    def reseed(self, p: int, records: Iterable[tuple[str, SowRecord]], now: int) -> list[Output]:
         """The `.sow` messages that write records back to partition p's changelog (it was deleted and
         created again, or the topic's encoding changed): the same versions, with their own event IDs
         and last-change instants (the messages' timestamps, as `render` gives them), in the
-        topology's encoding; nothing on `.diff`, since nothing changed."""
+        topology's encoding; nothing on `.diff`, since nothing changed. An instant older than `.sow`
+        takes (`sow_stamp_age_ms`, at `now`) is written as the oldest it takes, with a minute's
+        margin: the broker would refuse the message, and the re-seed, each time it is redone."""
         sow, encode, out = self.spec.sow_topic, self.codec.encode, []
+        oldest = 0 if self.sow_stamp_age_ms is None else now - self.sow_stamp_age_ms + _STAMP_MARGIN_MS
         for key, record in records:
             kb = key.encode()
             headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
             if record.expires_at is not None:
                 headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
-            out.append(Output(sow, p, kb, encode(record.data), headers, True, record.updated_at))
+            out.append(Output(sow, p, kb, encode(record.data), headers, True, max(record.updated_at, oldest)))
         return out
 
     def resume_events(self, state: PartitionState, headers) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import orjson
 import pytest
@@ -76,3 +77,44 @@ def test_a_store_rebuilt_after_a_schema_change_keeps_the_records_written_before_
         refused.kill()
     assert "the topic's encoding changed (avro, schema" in refused.log() and "cannot be written in the new one" in refused.log()
     assert "Traceback" not in refused.log()
+
+
+def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka_bootstrap, unique_name, tmp_path):
+    """`.sow` set to take timestamps of at most a day ago (message.timestamp.before.max.ms): a
+    re-seed wrote each record with its last-change instant, two days ago here (a publisher's stamp,
+    `timestamps: publisher`), which the broker refused, and the batch each time it was redone: the
+    worker applied nothing more. The re-seed now writes such an instant as the oldest the topic takes."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+
+    from processor.kafka.clients import make_admin
+
+    from .workers import producer
+
+    topic = unique_name
+    schema(tmp_path / "v1.avsc")
+    path = write_topology(tmp_path, topic, timestamps="publisher")
+    group, data = f"g-{topic}", tmp_path / "d"
+    day = 86_400_000
+    w = Worker(kafka_bootstrap, path, group, data).start()
+    try:
+        p = producer(kafka_bootstrap)
+        two_days_ago = int(time.time() * 1000) - 2 * day
+        for i in range(4):
+            p.produce(topic, orjson.dumps({"id": i, "status": "old"}), b"k", timestamp=two_days_ago + i)
+        p.flush(30)
+        wait_until(lambda: len(Client(kafka_bootstrap, load_topology(path), group).query(topic)) == 4, 60, "4 records")
+    finally:
+        w.stop()
+    admin = make_admin(kafka_bootstrap)
+    change = ConfigResource(ResourceType.TOPIC, f"{topic}.sow", incremental_configs=[
+        ConfigEntry("message.timestamp.before.max.ms", str(day), incremental_operation=AlterConfigOpType.SET)])
+    for future in admin.incremental_alter_configs([change]).values():
+        future.result(30)
+    write_topology(tmp_path, topic, timestamps="publisher", message_type="avro", schema=str(tmp_path / "v1.avsc"))  # the same file
+    w = Worker(kafka_bootstrap, path, group, data, "avro").start()
+    try:
+        Client(kafka_bootstrap, load_topology(path)).publish(topic, {"id": 9, "status": "new"})
+        wait_until(lambda: len(Client(kafka_bootstrap, load_topology(path), group).query(topic)) == 5, 60, "the 5th record applied")
+        assert "batch not committed" not in w.log()
+    finally:
+        w.stop()

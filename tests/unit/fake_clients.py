@@ -115,6 +115,7 @@ class ScriptedProducer:
         self.aborted = 0
         self.config: dict = {}  # what the loop made it with
         self.headers: list[tuple[str, list | None]] = []  # (topic, headers) of every message produced
+        self.stamps: list[tuple[str, int]] = []  # (topic, timestamp) of every message produced
 
     def init_transactions(self, timeout=None) -> None:
         pass
@@ -125,6 +126,7 @@ class ScriptedProducer:
     def produce(self, topic, value=None, key=None, partition=-1, on_delivery=None, callback=None, timestamp=0, headers=None) -> None:
         self.pending.append((topic, partition, value, on_delivery))
         self.headers.append((topic, headers))
+        self.stamps.append((topic, timestamp))
 
     def send_offsets_to_transaction(self, offsets, metadata, timeout=None) -> None:
         pass
@@ -163,6 +165,7 @@ class ScriptedAdmin:
         self.gone: set[str] = set()  # topics deleted: the next ensure_topics creates them again
         self.ensured = 0  # times ensure_topics looked
         self.max_message_bytes: dict[str, int] = {}  # the output topics' max.message.bytes that are known
+        self.configs: dict[str, dict[str, str]] = {}  # other settings of the output topics
 
     def ensure_topics(self, wanted) -> list[str]:
         self.ensured += 1
@@ -199,7 +202,9 @@ def scripted_loop(monkeypatch, tmp_path, topic: dict | None = None, **settings) 
     monkeypatch.setattr(loop_module, "check_partitions", lambda admin, specs, timeout=30.0: None)  # the topology's partition counts
     monkeypatch.setattr(loop_module, "ensure_topics", lambda admin, wanted, timeout=30.0, **replication: admin.ensure_topics(wanted))
     monkeypatch.setattr(loop_module, "described_configs",
-                        lambda admin, topics, timeout=30.0: {t: {"max.message.bytes": str(n)} for t, n in admin.max_message_bytes.items() if t in topics})
+                        lambda admin, topics, timeout=30.0: {t: {**admin.configs.get(t, {}), **({"max.message.bytes": str(admin.max_message_bytes[t])}
+                                                                                  if t in admin.max_message_bytes else {})}
+                                                              for t in topics if t in admin.max_message_bytes or t in admin.configs})
     monkeypatch.setattr(loop_module, "delete_retention_ms", lambda admin, topic: 86_400_000)  # Kafka's default
     topology = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1, "persistence": "memory", **(topic or {})}]})
     loop = SowLoop(topology, "scripted:9092", "g", tmp_path, None, LoopSettings(**settings), "t")

@@ -247,6 +247,33 @@ def test_a_reseed_after_a_recreated_changelog_writes_the_versions_the_new_log_ga
     assert loop.tasks[("orders", 0)].store.get(key(2)) is None
 
 
+def test_a_reseed_keeps_its_timestamps_within_what_the_changelog_takes(monkeypatch, tmp_path):
+    """A re-seed writes each record with its last-change instant. With message.timestamp.before.max.ms
+    set on `.sow` (a day here), the broker refuses an older one, and the batch holding the re-seed
+    each time it is redone: such instants are written as the oldest the topic takes, with a
+    minute's margin; younger ones stay as they are."""
+    spec = parse_topology({"sow": [{"topic": "orders", "key": ["/id"], "partitions": 1}]}).topic("orders")
+    store = open_partition_store("rocksdb", str(tmp_path / "sow" / "orders" / "p0"), IndexSpec())
+    day, now = 86_400_000, now_ms()
+    for i, updated in enumerate((1_000, now - 2 * day, now - 3_600_000)):
+        store.put(spec.key_spec.sow_key({"id": i}), SowRecord({"id": i}, (i + 1) << 10, None, updated))
+    store.set_meta("changelog_incarnation", 7)
+    store.set_meta("encoding", 1234)  # written in another encoding: re-seeded
+    store.set_key_format(KEY_FORMAT)
+    store.commit()
+    store.close()
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"persistence": "persistent"}, commit_interval_ms=0)
+    loop.admin.configs["orders.sow"] = {"cleanup.policy": "compact", "message.timestamp.type": "CreateTime",
+                                        "message.timestamp.before.max.ms": str(day)}
+    loop.ensure_topics()
+    assign(loop, consumer)
+    loop.cycle()
+    stamps = {orjson.loads(v)["id"]: stamp for p in producers for (topic, _, _, v), (_, stamp) in zip(p.delivered, p.stamps) if topic == "orders.sow"}
+    assert set(stamps) == {0, 1, 2}
+    assert now - day + 60_000 <= stamps[0] == stamps[1] <= now_ms() - day + 60_000  # the oldest it takes, a minute in
+    assert stamps[2] == now - 3_600_000
+
+
 def test_a_reseed_takes_a_transaction_a_step_and_is_done_again_from_the_start_after_an_abort(monkeypatch, tmp_path):
     """The topic's encoding changed (the store is stamped with another): its 12 records go back to
     `.sow` 5 a step, each step in the transaction of the cycle it ran in (one transaction for a

@@ -206,6 +206,7 @@ _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_T
                          KafkaError._INCONSISTENT, KafkaError._TIMED_OUT, KafkaError._MSG_TIMED_OUT))
 # A batch the broker refused as larger than a topic takes (its max.message.bytes).
 _TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
+_NO_STAMP_LIMIT = 2**63 - 1  # Kafka's default message.timestamp.before.max.ms: any age
 _BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
 _HEADERS_ROOM = 1024  # bytes a record's key and headers may add to it in its message
 # A batch aborted again right after it was redone meets a failure that outlasts a retry (an ACL
@@ -595,9 +596,20 @@ class SowLoop:
         check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
         configs = described_configs(self.admin, self._outputs, timeout)  # the changelogs among them
         check_compaction(wanted, configs)
+        self._limit_stamps(configs)
         if self._limit_outputs(configs):
             self._renew_producer()
         return created
+
+    def _limit_stamps(self, configs: dict[str, dict[str, str]]) -> None:
+        """How old a timestamp each `.sow` takes, from its `configs`: a re-seed writes records with
+        their last-change instants, which may be older than an operator's (or a cluster's)
+        message.timestamp.before.max.ms allows; under LogAppendTime the broker stamps them itself."""
+        for engine in self.engines.values():
+            found = configs.get(engine.spec.sow_topic, {})
+            age = found.get("message.timestamp.before.max.ms", "")
+            creates = found.get("message.timestamp.type", "CreateTime") == "CreateTime"
+            engine.sow_stamp_age_ms = int(age) if creates and age.isdigit() and int(age) < _NO_STAMP_LIMIT else None
 
     def _limit_outputs(self, configs: dict[str, dict[str, str]]) -> bool:
         """Fit what the loop writes to its output topics' `max.message.bytes`, from their `configs`
@@ -1421,6 +1433,11 @@ class SowLoop:
         code = err.code() if isinstance(err, KafkaError) else None
         if code in _TOPIC_GONE:
             self._recreate_gone_topics()
+        elif code == KafkaError.INVALID_TIMESTAMP:
+            try:
+                self._limit_stamps(described_configs(self.admin, self._outputs, 10))
+            except KafkaException as exc:  # the next refused batch looks again
+                log.warning("could not read the output topics' message.timestamp.before.max.ms: %s", exc)
         elif code in _TOO_LARGE:
             try:
                 if self._limit_outputs(described_configs(self.admin, self._outputs, 10)):
@@ -1523,10 +1540,10 @@ class SowLoop:
         for record in store.latest():
             records.append(record)
             if len(records) == _RESEED_STEP:
-                yield reseed(p, records)
+                yield reseed(p, records, time.time_ns() // 1_000_000)
                 records = []
         if records:
-            yield reseed(p, records)
+            yield reseed(p, records, time.time_ns() // 1_000_000)
 
     def _serve(self, task: Task, purge: bool, out: "_Batch") -> None:
         """A partition whose restore is done: attached to its engine, and served from now on. What it
