@@ -49,7 +49,7 @@ def _resume_after(state: PartitionState, seq: int) -> None:
     state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
 
 
-_STAMP_MARGIN_MS = 60_000  # a re-seeded timestamp's margin over the oldest `.sow` takes (clocks, the time to send)
+_STAMP_MARGIN_MS = 60_000  # a re-seeded timestamp's margin over the oldest `.sow` takes (clocks, the time to send), at most half of it
 
 
 class _Held(Exception):
@@ -156,7 +156,8 @@ class SowTopicEngine:
         takes (`sow_stamp_age_ms`, at `now`) is written as the oldest it takes, with a minute's
         margin: the broker would refuse the message, and the re-seed, each time it is redone."""
         sow, encode, out = self.spec.sow_topic, self.codec.encode, []
-        oldest = 0 if self.sow_stamp_age_ms is None else now - self.sow_stamp_age_ms + _STAMP_MARGIN_MS
+        age = self.sow_stamp_age_ms
+        oldest = 0 if age is None else now - age + min(_STAMP_MARGIN_MS, age // 2)  # never in the future
         for key, record in records:
             kb = key.encode()
             headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
