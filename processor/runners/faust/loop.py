@@ -207,6 +207,8 @@ _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_T
 # A batch the broker refused as larger than a topic takes (its max.message.bytes).
 _TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
 _NO_STAMP_LIMIT = 2**63 - 1  # Kafka's default message.timestamp.before.max.ms: any age
+# A batch refused for what an output topic's settings allow (its size, a timestamp's age): read again.
+_REFUSED_BY_CONFIG = _TOO_LARGE | {KafkaError.INVALID_TIMESTAMP}
 _BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
 _HEADERS_ROOM = 1024  # bytes a record's key and headers may add to it in its message
 # A batch aborted again right after it was redone meets a failure that outlasts a retry (an ACL
@@ -596,10 +598,16 @@ class SowLoop:
         check_partitions(self.admin, [engine.spec for engine in self.engines.values()], timeout)
         configs = described_configs(self.admin, self._outputs, timeout)  # the changelogs among them
         check_compaction(wanted, configs)
+        self._fit_outputs(configs)
+        return created
+
+    def _fit_outputs(self, configs: dict[str, dict[str, str]]) -> None:
+        """Fit what the loop writes to its output topics' `configs`: the timestamps of a re-seed
+        (`_limit_stamps`) and the sizes of messages and batches (`_limit_outputs`; the producer is
+        made anew when its batch size changed). At start, and when the broker refuses a batch on one."""
         self._limit_stamps(configs)
         if self._limit_outputs(configs):
             self._renew_producer()
-        return created
 
     def _limit_stamps(self, configs: dict[str, dict[str, str]]) -> None:
         """How old a timestamp each `.sow` takes, from its `configs`: a re-seed writes records with
@@ -1433,17 +1441,11 @@ class SowLoop:
         code = err.code() if isinstance(err, KafkaError) else None
         if code in _TOPIC_GONE:
             self._recreate_gone_topics()
-        elif code == KafkaError.INVALID_TIMESTAMP:
+        elif code in _REFUSED_BY_CONFIG:
             try:
-                self._limit_stamps(described_configs(self.admin, self._outputs, 10))
+                self._fit_outputs(described_configs(self.admin, self._outputs, 10))
             except KafkaException as exc:  # the next refused batch looks again
-                log.warning("could not read the output topics' message.timestamp.before.max.ms: %s", exc)
-        elif code in _TOO_LARGE:
-            try:
-                if self._limit_outputs(described_configs(self.admin, self._outputs, 10)):
-                    self._renew_producer()
-            except KafkaException as exc:  # the next refused batch looks again
-                log.warning("could not read the output topics' max.message.bytes: %s", exc)
+                log.warning("could not read the output topics' settings: %s", exc)
         for task in list(self.tasks.values()):
             _stop_restore(task)
             if task.store is not None:
