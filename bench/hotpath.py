@@ -59,7 +59,7 @@ def _nothing(*args, **kwargs) -> None:
 
 def output_buffer(producer) -> SimpleNamespace:
     """What the loop's `_Batch` needs of its loop, inside an open transaction."""
-    return SimpleNamespace(producer=producer or SimpleNamespace(produce=_nothing), eos=True, _in_txn=True,
+    return SimpleNamespace(producer=producer or SimpleNamespace(produce=_nothing), eos=True, _in_txn=True, _oldest_stamps=dict,
                            settings=SimpleNamespace(max_message_bytes=1_000_000))
 
 

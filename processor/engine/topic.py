@@ -49,7 +49,6 @@ def _resume_after(state: PartitionState, seq: int) -> None:
     state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
 
 
-_STAMP_MARGIN_MS = 60_000  # a re-seeded timestamp's margin over the oldest `.sow` takes (clocks, the time to send), at most half of it
 
 
 class _Held(Exception):
@@ -84,9 +83,6 @@ class SowTopicEngine:
         # The largest encoded record or diff a write may produce (KSOW_MAX_RECORD_BYTES): a runner
         # lowers it to what its output topics take (`limit_record_bytes`).
         self.max_record_bytes = max_record_bytes()
-        # How old a timestamp `.sow` takes (its message.timestamp.before.max.ms under CreateTime; None:
-        # any): a runner sets it from the topic's configuration (`reseed` keeps within it).
-        self.sow_stamp_age_ms: int | None = None
 
     # partitions -----------------------------------------------------------------------
     def attach(self, p: int, state: PartitionState) -> SowPartition:
@@ -148,22 +144,18 @@ class SowTopicEngine:
         state.put_many(writes)
         return skipped
 
-    def reseed(self, p: int, records: Iterable[tuple[str, SowRecord]], now: int) -> list[Output]:
+    def reseed(self, p: int, records: Iterable[tuple[str, SowRecord]]) -> list[Output]:
         """The `.sow` messages that write records back to partition p's changelog (it was deleted and
         created again, or the topic's encoding changed): the same versions, with their own event IDs
         and last-change instants (the messages' timestamps, as `render` gives them), in the
-        topology's encoding; nothing on `.diff`, since nothing changed. An instant older than `.sow`
-        takes (`sow_stamp_age_ms`, at `now`) is written as the oldest it takes, with a minute's
-        margin: the broker would refuse the message, and the re-seed, each time it is redone."""
+        topology's encoding; nothing on `.diff`, since nothing changed."""
         sow, encode, out = self.spec.sow_topic, self.codec.encode, []
-        age = self.sow_stamp_age_ms
-        oldest = 0 if age is None else now - age + min(_STAMP_MARGIN_MS, age // 2)  # never in the future
         for key, record in records:
             kb = key.encode()
             headers = [(H.KEY, kb), (H.OP, b"update"), (H.SEQ, b"%d" % record.seq)]
             if record.expires_at is not None:
                 headers.append((H.EXPIRES_AT, b"%d" % record.expires_at))
-            out.append(Output(sow, p, kb, encode(record.data), headers, True, max(record.updated_at, oldest)))
+            out.append(Output(sow, p, kb, encode(record.data), headers, True, record.updated_at))
         return out
 
     def resume_events(self, state: PartitionState, headers) -> None:

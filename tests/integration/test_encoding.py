@@ -11,7 +11,7 @@ import pytest
 from processor.client.sow_client import Client
 from processor.topology import load_topology
 
-from .workers import Worker, wait_until, write_topology
+from .workers import Worker, producer, set_topic_config, wait_until, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -79,17 +79,11 @@ def test_a_store_rebuilt_after_a_schema_change_keeps_the_records_written_before_
     assert "Traceback" not in refused.log()
 
 
-def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka_bootstrap, unique_name, tmp_path):
+def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka_bootstrap, unique_name, tmp_path, admin):
     """`.sow` set to take timestamps of at most a day ago (message.timestamp.before.max.ms): a
     re-seed wrote each record with its last-change instant, two days ago here (a publisher's stamp,
     `timestamps: publisher`), which the broker refused, and the batch each time it was redone: the
     worker applied nothing more. The re-seed now writes such an instant as the oldest the topic takes."""
-    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
-
-    from processor.kafka.clients import make_admin
-
-    from .workers import producer
-
     topic = unique_name
     schema(tmp_path / "v1.avsc")
     path = write_topology(tmp_path, topic, timestamps="publisher")
@@ -105,11 +99,7 @@ def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka
         wait_until(lambda: len(Client(kafka_bootstrap, load_topology(path), group).query(topic)) == 4, 60, "4 records")
     finally:
         w.stop()
-    admin = make_admin(kafka_bootstrap)
-    change = ConfigResource(ResourceType.TOPIC, f"{topic}.sow", incremental_configs=[
-        ConfigEntry("message.timestamp.before.max.ms", str(day), incremental_operation=AlterConfigOpType.SET)])
-    for future in admin.incremental_alter_configs([change]).values():
-        future.result(30)
+    set_topic_config(admin, f"{topic}.sow", "message.timestamp.before.max.ms", str(day))
     write_topology(tmp_path, topic, timestamps="publisher", message_type="avro", schema=str(tmp_path / "v1.avsc"))  # the same file
     w = Worker(kafka_bootstrap, path, group, data, "avro").start()
     try:
@@ -118,3 +108,4 @@ def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka
         assert "batch not committed" not in w.log()
     finally:
         w.stop()
+

@@ -3,7 +3,7 @@ while the worker was down (re-seeded, not wiped), a record that would outgrow a 
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
 partitions added to an input topic under a running worker (it stops, in one line), output topics
 deleted under a running worker (created again, nothing lost or repeated; the registry too), an output topic that
-takes smaller messages than ksow's limits, a changelog that removes records by time (refused), the
+takes smaller messages than ksow's limits or no timestamp as old as an input's, a changelog that removes records by time (refused), the
 broker itself crashing under a stream of inputs."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from processor.kafka.clients import ensure_topics, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
 
-from .workers import headers_of, write_topology
+from .workers import headers_of, producer, set_topic_config, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -322,8 +322,6 @@ def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto
     import random
     import string
 
-    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
-
     path = write_topology(tmp_path, unique_name)
     spec = load_topology(path).sow[0]
     client = Client(kafka_bootstrap, load_topology(path))
@@ -332,9 +330,7 @@ def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto
         client.publish(spec.topic, {"id": -1})
         client.flush()
         wait_until(lambda: read_topic(kafka_bootstrap, spec.diff_topic, range(4)), 60, "the first record applied")
-        limit = ConfigEntry("max.message.bytes", "4000", incremental_operation=AlterConfigOpType.SET)
-        resource = ConfigResource(ConfigResource.Type.TOPIC, spec.diff_topic, incremental_configs=[limit])
-        admin.incremental_alter_configs([resource])[resource].result(30)
+        set_topic_config(admin, spec.diff_topic, "max.message.bytes", "4000")
         rnd = random.Random(7)
         noise = lambda n: "".join(rnd.choice(string.ascii_letters) for _ in range(n))  # noqa: E731 - lz4 does not shrink it
         client.publish(spec.topic, {"id": 0, "blob": noise(6000)})
@@ -351,12 +347,36 @@ def test_an_output_topic_that_takes_smaller_messages_refuses_larger_records_onto
         worker.stop()
 
 
+def test_an_input_older_than_the_changelog_takes_does_not_stall_its_partition(kafka_bootstrap, unique_name, tmp_path, admin):
+    """`.sow` set under a running worker to take timestamps of at most a day ago, `timestamps:
+    publisher`: a record's `.sow` message carries its last-change instant, the publisher's stamp.
+    One input stamped two days ago made the broker refuse its batch, and again each time it was
+    redone: the partition applied nothing after it. Now such an instant is written as the oldest
+    `.sow` takes: the first batch refused tells the worker, the next commits."""
+    path = write_topology(tmp_path, unique_name, timestamps="publisher", partitions=1)
+    spec = load_topology(path).sow[0]
+    day = 86_400_000
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        set_topic_config(admin, spec.sow_topic, "message.timestamp.before.max.ms", str(day))
+        p = producer(kafka_bootstrap)
+        now = int(time.time() * 1000)
+        p.produce(spec.topic, orjson.dumps({"id": 1, "status": "late"}), timestamp=now - 2 * day)
+        p.produce(spec.topic, orjson.dumps({"id": 2, "status": "new"}), timestamp=now)
+        p.flush(30)
+        wait_until(lambda: {r["id"]: r["status"] for r in _sow(kafka_bootstrap, spec).values()} == {1: "late", 2: "new"}, 60, "both records on .sow")
+        assert worker.log().count("batch not committed") == 1  # one refusal, then a new producer (no "skipped sequence numbers")
+        assert f"{spec.sow_topic} takes no timestamp older than {day} ms" in worker.log()
+        stamps = sorted(m.timestamp()[1] for m in read_topic(kafka_bootstrap, spec.sow_topic, [0]))
+        assert now - day < stamps[0] < now - day + 120_000 and stamps[1] == now
+    finally:
+        worker.stop()
+
+
 def test_a_worker_refuses_a_changelog_that_removes_records_by_time(kafka_bootstrap, unique_name, tmp_path, admin):
     """`.sow` created by someone else with Kafka's default policy (delete, after 7 days): a store
     rebuilt from it would lose every record not changed for a week. The worker refuses to start,
     in one line that says how to mend it; mended, it starts."""
-    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
-
     path = write_topology(tmp_path, unique_name)
     spec = load_topology(path).sow[0]
     ensure_topics(admin, {spec.sow_topic: (spec.partitions, {})})
@@ -367,9 +387,7 @@ def test_a_worker_refuses_a_changelog_that_removes_records_by_time(kafka_bootstr
         worker.kill()
     assert worker.log().count(f"topic {spec.sow_topic} has cleanup.policy=delete, retention.ms=604800000") == 1
     assert "--add-config cleanup.policy=compact" in worker.log() and "Traceback" not in worker.log()
-    compact = ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)
-    resource = ConfigResource(ConfigResource.Type.TOPIC, spec.sow_topic, incremental_configs=[compact])
-    admin.incremental_alter_configs([resource])[resource].result(30)
+    set_topic_config(admin, spec.sow_topic, "cleanup.policy", "compact")
     mended = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "mended").start()
     try:
         client = Client(kafka_bootstrap, load_topology(path))

@@ -21,6 +21,14 @@ def write_topology(tmp_path: Path, topic: str, views: list[dict] | None = None, 
 Worker = WorkerProcess
 
 
+def set_topic_config(admin, topic: str, name: str, value: str) -> None:
+    """Set one setting of a topic, as an operator would under running workers."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
+
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)])
+    admin.incremental_alter_configs([resource])[resource].result(30)
+
+
 def producer(bootstrap: str) -> Producer:
     return Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
 

@@ -207,6 +207,7 @@ _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_T
 # A batch the broker refused as larger than a topic takes (its max.message.bytes).
 _TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
 _NO_STAMP_LIMIT = 2**63 - 1  # Kafka's default message.timestamp.before.max.ms: any age
+_STAMP_MARGIN_MS = 60_000  # an output timestamp's margin over the oldest its topic takes (clocks, the batch's time), at most half of it
 # A batch refused for what an output topic's settings allow (its size, a timestamp's age): read again.
 _REFUSED_BY_CONFIG = _TOO_LARGE | {KafkaError.INVALID_TIMESTAMP}
 _BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
@@ -286,7 +287,8 @@ class _Batch:
     failed delivery fails the commit, so no other report is asked for (a Python callback per message
     cost ~1 us of the loop's ~20 per input); at-least-once needs one per message to catch failures."""
 
-    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog", "reported", "offsets", "applied", "began")
+    __slots__ = ("loop", "produce", "positions", "failures", "sent", "topics", "error", "changelog", "reported", "offsets", "applied", "began",
+                 "oldest")
 
     def __init__(self, loop: "SowLoop") -> None:
         self.loop = loop
@@ -301,6 +303,7 @@ class _Batch:
         self.error: KafkaException | None = None  # the first produce failure: the commit raises it
         self.changelog: dict[tuple[str, int], int] = {}  # `.sow` records produced per partition
         self.reported: dict[tuple[str, int], int] = {}  # of which the metrics were told (take_counts)
+        self.oldest = loop._oldest_stamps()  # per output topic that bounds timestamps' age: the oldest it takes
 
     def append(self, o: Output) -> None:
         self.send(o.topic, o.partition, o.key, o.value, o.headers, o.changelog, o.timestamp)
@@ -310,6 +313,8 @@ class _Batch:
         """Produce one message into the cycle's transaction (processor.engine.outputs.Sink)."""
         if self.error is not None:
             return
+        if self.oldest and timestamp:
+            timestamp = self._within_age(topic, timestamp)
         if changelog:
             callback = self._changelog_callback(topic, partition)
         else:
@@ -340,6 +345,8 @@ class _Batch:
         work, done once for the two or three (every input and every expiry comes through here)."""
         if self.error is not None:
             return
+        if self.oldest and timestamp:
+            timestamp = self._within_age(sow, timestamp)
         callback = self._changelog_callback(sow, partition)
         failures = self.failures
         topics = self.topics
@@ -369,6 +376,17 @@ class _Batch:
             self.sent += 3
         if _KILLS:
             self._maybe_kill(2 if side is None else 3)
+
+    def _within_age(self, topic: str, timestamp: int) -> int:
+        """`timestamp`, or the oldest `topic` takes when it is older (an operator's, or a cluster's,
+        message.timestamp.before.max.ms): a record's `.sow` message carries its last-change instant,
+        which may be a publisher's stamp or an input read long after it arrived (a re-seed, a worker
+        far behind). The broker would refuse it, and the batch each time it is redone."""
+        oldest = self.oldest.get(topic, 0)
+        if timestamp >= oldest:
+            return timestamp
+        self.loop._note_stamp_raised(topic)
+        return oldest
 
     def _changelog_callback(self, topic: str, partition: int):
         """The delivery callback of a `.sow` record, counted per partition: the position report of
@@ -525,6 +543,8 @@ class SowLoop:
         self._unrecorded = {name for spec in topology.sow for name in (spec.errors_topic, spec.repartition_topic)}  # carry inputs, not records
         self._batch_bytes = 1_000_000
         self._small_topics: dict[str, int] = {}  # topic -> the largest message it takes, when less than message.max.bytes
+        self._stamp_ages: dict[str, int] = {}  # topic -> the oldest timestamp it takes, in ms before now (`_limit_stamps`)
+        self._stamps_raised: set[str] = set()  # topics an older timestamp was raised for (logged once)
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
@@ -601,23 +621,44 @@ class SowLoop:
         self._fit_outputs(configs)
         return created
 
-    def _fit_outputs(self, configs: dict[str, dict[str, str]]) -> None:
-        """Fit what the loop writes to its output topics' `configs`: the timestamps of a re-seed
+    def _fit_outputs(self, configs: dict[str, dict[str, str]], renew: bool = False) -> None:
+        """Fit what the loop writes to its output topics' `configs`: the timestamps' age
         (`_limit_stamps`) and the sizes of messages and batches (`_limit_outputs`; the producer is
-        made anew when its batch size changed). At start, and when the broker refuses a batch on one."""
+        made anew when its batch size changed, or when `renew`). At start, and when the broker
+        refuses a batch on one."""
         self._limit_stamps(configs)
-        if self._limit_outputs(configs):
+        if self._limit_outputs(configs) or renew:
             self._renew_producer()
 
     def _limit_stamps(self, configs: dict[str, dict[str, str]]) -> None:
-        """How old a timestamp each `.sow` takes, from its `configs`: a re-seed writes records with
-        their last-change instants, which may be older than an operator's (or a cluster's)
-        message.timestamp.before.max.ms allows; under LogAppendTime the broker stamps them itself."""
-        for engine in self.engines.values():
-            found = configs.get(engine.spec.sow_topic, {})
-            age = found.get("message.timestamp.before.max.ms", "")
-            creates = found.get("message.timestamp.type", "CreateTime") == "CreateTime"
-            engine.sow_stamp_age_ms = int(age) if creates and age.isdigit() and int(age) < _NO_STAMP_LIMIT else None
+        """How old a timestamp each output topic takes, from its `configs` (an operator's, or a
+        cluster's, message.timestamp.before.max.ms; under LogAppendTime the broker stamps messages
+        itself): `_Batch` writes an older one as the oldest it takes."""
+        ages = {}
+        for name in self._outputs:
+            found = configs.get(name, {})
+            if found.get("message.timestamp.type", "CreateTime") != "CreateTime":
+                continue
+            # message.timestamp.difference.max.ms: the one setting for both ways before Kafka 3.6 (KIP-937)
+            age = min((int(v) for k in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms")
+                       if (v := found.get(k, "")).isdigit()), default=_NO_STAMP_LIMIT)
+            if age < _NO_STAMP_LIMIT:
+                ages[name] = age
+        self._stamp_ages = ages
+
+    def _oldest_stamps(self) -> dict[str, int]:
+        """The oldest timestamp each output topic that bounds their age takes, from now on, with a
+        margin (a minute, at most half its window) for the clocks and the batch's own time."""
+        if not self._stamp_ages:
+            return {}
+        now = time.time_ns() // 1_000_000
+        return {name: now - age + min(_STAMP_MARGIN_MS, age // 2) for name, age in self._stamp_ages.items()}
+
+    def _note_stamp_raised(self, topic: str) -> None:
+        if topic not in self._stamps_raised:
+            self._stamps_raised.add(topic)
+            log.warning("%s takes no timestamp older than %d ms (message.timestamp.before.max.ms): older ones are written to it as the oldest it takes",
+                        topic, self._stamp_ages[topic])
 
     def _limit_outputs(self, configs: dict[str, dict[str, str]]) -> bool:
         """Fit what the loop writes to its output topics' `max.message.bytes`, from their `configs`
@@ -1442,8 +1483,11 @@ class SowLoop:
         if code in _TOPIC_GONE:
             self._recreate_gone_topics()
         elif code in _REFUSED_BY_CONFIG:
+            # The producer made of the refused messages' sequence numbers a gap that the aborted
+            # transaction leaves: its next batch failed on "skipped sequence numbers", a second
+            # abort. A new producer starts afresh.
             try:
-                self._fit_outputs(described_configs(self.admin, self._outputs, 10))
+                self._fit_outputs(described_configs(self.admin, self._outputs, 10), renew=True)
             except KafkaException as exc:  # the next refused batch looks again
                 log.warning("could not read the output topics' settings: %s", exc)
         for task in list(self.tasks.values()):
@@ -1542,10 +1586,10 @@ class SowLoop:
         for record in store.latest():
             records.append(record)
             if len(records) == _RESEED_STEP:
-                yield reseed(p, records, time.time_ns() // 1_000_000)
+                yield reseed(p, records)
                 records = []
         if records:
-            yield reseed(p, records, time.time_ns() // 1_000_000)
+            yield reseed(p, records)
 
     def _serve(self, task: Task, purge: bool, out: "_Batch") -> None:
         """A partition whose restore is done: attached to its engine, and served from now on. What it
