@@ -735,6 +735,20 @@ def test_a_batch_that_fails_on_a_deleted_output_topic_creates_it_again_and_is_re
     assert admin.ensured == 1
 
 
+def test_a_topic_created_again_with_a_smaller_limit_makes_one_new_producer(monkeypatch, tmp_path):
+    """`.diff` deleted and created again with a smaller max.message.bytes: the look that creates it
+    reads the new limit and makes the producer anew for it, and the recreation made another right
+    after it (two init_transactions in a row, each fencing the last)."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    assign(loop, consumer)
+    consumer.script.append([Message("orders", 0, 0, _record(0), now_ms() - 10_000)] + [end_of(t, 0, 1 if t == "orders" else 0) for t in INPUTS])
+    loop.admin.gone = {"orders.diff"}
+    loop.admin.max_message_bytes = {"orders.diff": 4000}
+    producers[-1].fail_next_commit = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    loop.cycle()
+    assert loop.admin.ensured == 1 and len(producers) == 2 and producers[1].config["batch.size"] == 4000 - 512
+
+
 def test_a_batch_the_broker_refuses_as_too_large_is_redone_with_that_input_on_errors(monkeypatch, tmp_path):
     """An operator set an output topic's max.message.bytes to 4,000 under the running loop: the
     broker refuses the batch holding a 6,000-byte record (MSG_SIZE_TOO_LARGE), and refused it again

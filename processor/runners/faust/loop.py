@@ -704,6 +704,7 @@ class SowLoop:
         if now - self._topics_checked_at < _TOPICS_CHECK_S:
             return
         self._topics_checked_at = now
+        producer = self.producer
         try:
             created = self.ensure_topics(timeout=10)
         except (KafkaException, TimeoutError) as exc:  # the broker is away: the next failed batch looks again
@@ -712,7 +713,8 @@ class SowLoop:
         if created:
             log.warning("topics deleted under the running worker, created again: %s (their readers start over from their first offset)", ", ".join(created))
             metrics.TOPICS_RECREATED.inc(len(created))
-            self._renew_producer()
+            if self.producer is producer:  # not made anew for the new topics' limits already
+                self._renew_producer()
 
     # producer --------------------------------------------------------------------------------
     def _size_limits(self) -> dict[str, int]:
