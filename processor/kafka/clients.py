@@ -186,11 +186,15 @@ def topic_configs(spec: SowTopic, views=()) -> dict[str, tuple[int, dict[str, st
     # a lifetime counts from the input's arrival whatever the publisher's clock says, and replays see
     # the same instants. The repartition topic keeps CreateTime: a rerouted input carries its timestamp.
     # Publisher stamps far in the future are refused by the broker (MAX_FUTURE_STAMP_MS).
-    arrival = ({"message.timestamp.type": "LogAppendTime"} if spec.timestamps == "arrival" else
-               {"message.timestamp.type": "CreateTime", FUTURE_STAMPS: str(MAX_FUTURE_STAMP_MS)})
+    # The others are streams of events, whatever the cluster's default policy (log.cleanup.policy):
+    # compacted, `.diff` would keep one event a record, and a message without a key (an input's own,
+    # copied to `.errors`) would be refused.
+    streamed = {"cleanup.policy": "delete"}
+    arrival = {**streamed, **({"message.timestamp.type": "LogAppendTime"} if spec.timestamps == "arrival" else
+                              {"message.timestamp.type": "CreateTime", FUTURE_STAMPS: str(MAX_FUTURE_STAMP_MS)})}
     inputs = ("input", "delta input")
     return {
-        t.name: (n, arrival if t.role in inputs else compacted if t.compacted else {})
+        t.name: (n, arrival if t.role in inputs else compacted if t.compacted else streamed)
         for t in [*spec.kafka_topics(views), *(t for view in views for t in view.kafka_topics())]
     }
 

@@ -373,6 +373,28 @@ def test_an_input_older_than_the_changelog_takes_does_not_stall_its_partition(ka
         worker.stop()
 
 
+def test_an_input_without_a_key_that_lands_on_a_compacted_errors_topic_does_not_stall_the_worker(kafka_bootstrap, unique_name, tmp_path, admin):
+    """`.errors` made compacted (by hand, or by a cluster whose default policy is compact): a broker
+    refuses a message without a key there. An input published without one that could not be
+    applied went to `.errors` with its own (none): its batch was refused each time it was redone,
+    and the worker applied nothing more. It now takes its place as key."""
+    path = write_topology(tmp_path, unique_name, partitions=1)
+    spec = load_topology(path).sow[0]
+    ensure_topics(admin, {spec.errors_topic: (1, {"cleanup.policy": "compact"})})
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    try:
+        p = producer(kafka_bootstrap)
+        p.produce(spec.topic, b"{oops")  # no key
+        p.produce(spec.topic, orjson.dumps({"id": 2}))
+        p.flush(30)
+        wait_until(lambda: _sow(kafka_bootstrap, spec), 60, "the record after the bad input on .sow")
+        (refused,) = read_topic(kafka_bootstrap, spec.errors_topic, [0])
+        assert refused.value() == b"{oops" and refused.key() == f"{spec.topic}:0:0".encode()  # its place
+        assert "batch not committed" not in worker.log()
+    finally:
+        worker.stop()
+
+
 def test_a_worker_refuses_a_changelog_that_removes_records_by_time(kafka_bootstrap, unique_name, tmp_path, admin):
     """`.sow` created by someone else with Kafka's default policy (delete, after 7 days): a store
     rebuilt from it would lose every record not changed for a week. The worker refuses to start,

@@ -116,6 +116,7 @@ class ScriptedProducer:
         self.config: dict = {}  # what the loop made it with
         self.headers: list[tuple[str, list | None]] = []  # (topic, headers) of every message produced
         self.stamps: list[tuple[str, int]] = []  # (topic, timestamp) of every message produced
+        self.keys: list[tuple[str, bytes | None]] = []  # (topic, key) of every message produced
 
     def init_transactions(self, timeout=None) -> None:
         pass
@@ -127,6 +128,7 @@ class ScriptedProducer:
         self.pending.append((topic, partition, value, on_delivery))
         self.headers.append((topic, headers))
         self.stamps.append((topic, timestamp))
+        self.keys.append((topic, key))
 
     def send_offsets_to_transaction(self, offsets, metadata, timeout=None) -> None:
         pass

@@ -749,6 +749,36 @@ def test_a_topic_created_again_with_a_smaller_limit_makes_one_new_producer(monke
     assert loop.admin.ensured == 1 and len(producers) == 2 and producers[1].config["batch.size"] == 4000 - 512
 
 
+def test_an_errors_topic_made_compacted_under_the_loop_gets_keys_for_inputs_without_one(monkeypatch, tmp_path):
+    """`.errors` made compacted under the running loop: the broker refuses the batch whose `.errors`
+    record has no key (an input published without one, INVALID_RECORD), and refused it again each
+    time it was redone. The abort reads the topics' settings: the redone batch gives that record
+    its input's place as key; records with a key keep theirs."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    assign(loop, consumer)
+    t0 = now_ms() - 10_000
+    batch = [Message("orders", 0, 0, b"{oops", t0, key=None), Message("orders", 0, 1, b"[1]", t0 + 1, key=b"mine"),
+             Message("orders", 0, 2, _record(2), t0 + 2)] + [end_of(t, 0, 3 if t == "orders" else 0) for t in INPUTS]
+    consumer.script.append(list(batch))
+    loop.admin.configs["orders.errors"] = {"cleanup.policy": "compact"}
+    producers[-1].fail_next_commit = KafkaError(KafkaError.INVALID_RECORD)
+    loop.cycle()
+    assert producers[0].aborted == 1 and len(producers) == 2
+    consumer.script.append(list(batch))
+    loop.cycle()
+    assert [key for topic, key in producers[1].keys if topic == "orders.errors"] == [b"orders:0:0", b"mine"]
+    assert [orjson.loads(v)["id"] for topic, _, _, v in producers[1].delivered if topic == "orders.sow"] == [2]
+
+
+def test_a_message_without_a_key_takes_the_place_of_its_input():
+    from processor.contract import headers as H
+
+    errors = [("sow-error", b"not JSON"), (H.ERROR_TOPIC, b"orders"), (H.ERROR_PARTITION, b"3"), (H.ERROR_OFFSET, b"17")]
+    assert loop_module._place_key(errors) == b"orders:3:17"
+    copy = [(H.ORIGIN, b"sow_delete"), (H.LOCAL, b"1"), (H.SOURCE, b"orders:1:9")]  # a delete by filter fanned out
+    assert loop_module._place_key(copy) == b"orders:1:9"
+
+
 def test_a_batch_the_broker_refuses_as_too_large_is_redone_with_that_input_on_errors(monkeypatch, tmp_path):
     """An operator set an output topic's max.message.bytes to 4,000 under the running loop: the
     broker refuses the batch holding a 6,000-byte record (MSG_SIZE_TOO_LARGE), and refused it again

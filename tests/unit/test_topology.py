@@ -192,8 +192,12 @@ def test_sow_topics_may_share_expiry_and_dead_event_topics():
     from processor.kafka.clients import topology_topic_configs
 
     configs = topology_topic_configs(topo)
-    assert configs["expired"] == (8, {}) and configs["dead"] == (4, {}), "the most partitions any SOW topic writes to"
+    streamed = {"cleanup.policy": "delete"}
+    assert configs["expired"] == (8, streamed) and configs["dead"] == (4, streamed), "the most partitions any SOW topic writes to"
     assert configs["a.sow"][0] == 2 and configs["b.sow"][0] == 8
+    # Whatever the cluster's default policy: only the changelogs are compacted.
+    assert {name: c["cleanup.policy"] for name, (_, c) in configs.items() if name.startswith("a")} == {
+        "a": "delete", "a.delta": "delete", "a.repartition": "delete", "a.diff": "delete", "a.errors": "delete", "a.sow": "compact"}
 
 
 def test_a_shared_expiry_topic_is_still_no_other_role():

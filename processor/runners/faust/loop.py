@@ -208,8 +208,9 @@ _TOPIC_GONE = frozenset((KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_T
 _TOO_LARGE = frozenset((KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE))
 _NO_STAMP_LIMIT = 2**63 - 1  # Kafka's default message.timestamp.before.max.ms: any age
 _STAMP_MARGIN_MS = 60_000  # an output timestamp's margin over the oldest its topic takes (clocks, the batch's time), at most half of it
-# A batch refused for what an output topic's settings allow (its size, a timestamp's age): read again.
-_REFUSED_BY_CONFIG = _TOO_LARGE | {KafkaError.INVALID_TIMESTAMP}
+# A batch refused for what an output topic's settings allow (its size, a timestamp's age, a message
+# without a key on a compacted topic): read again.
+_REFUSED_BY_CONFIG = _TOO_LARGE | {KafkaError.INVALID_TIMESTAMP, KafkaError.INVALID_RECORD}
 _BATCH_FRAMING = 512  # bytes a record batch adds to its one message; the broker counts them in max.message.bytes
 _HEADERS_ROOM = 1024  # bytes a record's key and headers may add to it in its message
 # A batch aborted again right after it was redone meets a failure that outlasts a retry (an ACL
@@ -258,6 +259,15 @@ _KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut
 
 def _message_bytes(key: bytes | None, value: bytes | None, headers: list | None) -> int:
     return len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+
+
+def _place_key(headers: list) -> bytes:
+    """The Kafka key of a message that has none, for a compacted topic: the place of the input it
+    carries, `topic:partition:offset` (an `.errors` record's headers, or a rerouted copy's `ksow-source`)."""
+    found = dict(headers)
+    if H.ERROR_OFFSET in found:
+        return b"%s:%s:%s" % (found[H.ERROR_TOPIC], found[H.ERROR_PARTITION], found[H.ERROR_OFFSET])
+    return found.get(H.SOURCE) or b"-"
 
 
 def _too_large(o: Output, limit: int) -> Output:
@@ -324,6 +334,8 @@ class _Batch:
         loop = self.loop
         if not loop._in_txn and loop.eos and not self._begin():
             return
+        if key is None and loop._compacted and topic in loop._compacted:  # else refused by the broker
+            key = _place_key(headers)
         small = loop._small_topics
         if small and topic in small and _message_bytes(key, value, headers) > small[topic]:  # else refused by the broker
             cut = _too_large(Output(topic, partition, key, value, headers, changelog, timestamp), small[topic])
@@ -545,6 +557,7 @@ class SowLoop:
         self._small_topics: dict[str, int] = {}  # topic -> the largest message it takes, when less than message.max.bytes
         self._stamp_ages: dict[str, int] = {}  # topic -> the oldest timestamp it takes, in ms before now (`_limit_stamps`)
         self._stamps_raised: set[str] = set()  # topics an older timestamp was raised for (logged once)
+        self._compacted: frozenset[str] = frozenset()  # of those, the ones found compacted (`_limit_keys`)
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
@@ -627,6 +640,7 @@ class SowLoop:
         made anew when its batch size changed, or when `renew`). At start, and when the broker
         refuses a batch on one."""
         self._limit_stamps(configs)
+        self._limit_keys(configs)
         if self._limit_outputs(configs) or renew:
             self._renew_producer()
 
@@ -645,6 +659,18 @@ class SowLoop:
             if age < _NO_STAMP_LIMIT:
                 ages[name] = age
         self._stamp_ages = ages
+
+    def _limit_keys(self, configs: dict[str, dict[str, str]]) -> None:
+        """The output topics found compacted though ksow creates them with `delete` (made by hand, or
+        before ksow set the policy, on a cluster whose default is compact): the broker refuses a
+        message without a key there, and the batch each time it is redone. `.errors` copies an
+        input's own key, and `.repartition` a delete's fanned out to other partitions: none when
+        its publisher gave none. `_Batch.send` gives such a message its input's place instead."""
+        compacted = frozenset(name for name in self._unrecorded if "compact" in configs.get(name, {}).get("cleanup.policy", ""))
+        if compacted - self._compacted:
+            log.warning("output topics are compacted: %s; a message without a key is written there with its input's place as key (topic:partition:offset)",
+                        ", ".join(sorted(compacted - self._compacted)))
+        self._compacted = compacted
 
     def _oldest_stamps(self) -> dict[str, int]:
         """The oldest timestamp each output topic that bounds their age takes, from now on, with a
