@@ -49,8 +49,6 @@ def _resume_after(state: PartitionState, seq: int) -> None:
     state.set_counter(max(state.counter(), seq >> SEQ_PARTITION_BITS))
 
 
-
-
 class _Held(Exception):
     """An input that would touch a partition this runner owns but is still restoring: `handle`
     stops before it, and it waits with what follows it, so the inputs keep their order."""

@@ -557,7 +557,7 @@ class SowLoop:
         self._small_topics: dict[str, int] = {}  # topic -> the largest message it takes, when less than message.max.bytes
         self._stamp_ages: dict[str, int] = {}  # topic -> the oldest timestamp it takes, in ms before now (`_limit_stamps`)
         self._stamps_raised: set[str] = set()  # topics an older timestamp was raised for (logged once)
-        self._compacted: frozenset[str] = frozenset()  # of those, the ones found compacted (`_limit_keys`)
+        self._compacted: frozenset[str] = frozenset()  # `.errors` and `.repartition` topics found compacted (`_limit_keys`)
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
         # partition until that queue shrinks: an input's last end event may be seconds old. The
         # broker is then asked where the inputs of expiring partitions end (ListOffsets, in the
@@ -636,7 +636,8 @@ class SowLoop:
 
     def _fit_outputs(self, configs: dict[str, dict[str, str]], renew: bool = False) -> None:
         """Fit what the loop writes to its output topics' `configs`: the timestamps' age
-        (`_limit_stamps`) and the sizes of messages and batches (`_limit_outputs`; the producer is
+        (`_limit_stamps`), keys where a compacted topic needs one (`_limit_keys`) and the sizes of
+        messages and batches (`_limit_outputs`; the producer is
         made anew when its batch size changed, or when `renew`). At start, and when the broker
         refuses a batch on one."""
         self._limit_stamps(configs)
@@ -681,6 +682,7 @@ class SowLoop:
         return {name: now - age + min(_STAMP_MARGIN_MS, age // 2) for name, age in self._stamp_ages.items()}
 
     def _note_stamp_raised(self, topic: str) -> None:
+        """Say once per topic that its timestamps are being raised (the records keep their own)."""
         if topic not in self._stamps_raised:
             self._stamps_raised.add(topic)
             log.warning("%s takes no timestamp older than %d ms (message.timestamp.before.max.ms): older ones are written to it as the oldest it takes",
