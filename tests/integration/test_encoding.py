@@ -103,7 +103,9 @@ def test_a_reseed_of_records_older_than_the_changelog_takes_is_not_refused(kafka
     write_topology(tmp_path, topic, timestamps="publisher", message_type="avro", schema=str(tmp_path / "v1.avsc"))  # the same file
     w = Worker(kafka_bootstrap, path, group, data, "avro").start()
     try:
-        Client(kafka_bootstrap, load_topology(path)).publish(topic, {"id": 9, "status": "new"})
+        client = Client(kafka_bootstrap, load_topology(path))
+        client.publish(topic, {"id": 9, "status": "new"})
+        client.flush()  # else the producer may be closed before it sends
         wait_until(lambda: len(Client(kafka_bootstrap, load_topology(path), group).query(topic)) == 5, 60, "the 5th record applied")
         assert "batch not committed" not in w.log()
     finally:
