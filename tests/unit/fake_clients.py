@@ -68,12 +68,13 @@ class ScriptedConsumer:
         self.assigned: list[tuple[str, int]] = []
         self.offsets: dict[tuple[str, int], int] = {}
         self.highs: dict[tuple[str, int], int] = {}  # the broker's end offsets (get_watermark_offsets)
+        self.subscriptions: list[list[str]] = []  # what each subscribe() asked for
 
     def get_watermark_offsets(self, tp, timeout=None, cached=False) -> tuple[int, int]:
         return 0, self.highs.get((tp.topic, tp.partition), 0)
 
     def subscribe(self, topics, **callbacks) -> None:
-        pass
+        self.subscriptions.append(list(topics))
 
     def consume(self, n: int, timeout: float) -> list[Message]:
         return self.script.pop(0) if self.script else []

@@ -735,6 +735,40 @@ def test_a_batch_that_fails_on_a_deleted_output_topic_creates_it_again_and_is_re
     assert admin.ensured == 1
 
 
+def test_partitions_revoked_before_their_restore_began_are_forgotten(monkeypatch, tmp_path):
+    """Two partitions assigned: a cycle's restore slice ended in the first, the second's restore was
+    made but not begun (its store not opened yet). A rebalance then (a worker joining) crashed the
+    worker: its revocation rolled back a store that was not there."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, topic={"partitions": 2}, restore_slice_ms=0)
+    both = [TopicPartition(t, p) for t in INPUTS for p in (0, 1)]
+    loop._on_assign(consumer, both)
+    loop.cycle()
+    assert [t.store is None for t in loop.tasks.values()] == [False, True] and all(t.replay is not None or t.restored for t in loop.tasks.values())
+    loop._on_revoke(consumer, both)
+    assert not loop.tasks and list(loop._parked) == [("orders", 0)]
+    loop._on_assign(consumer, both)  # back: the parked store is taken again, the other restored anew
+    loop.cycle()
+    loop.cycle()
+    assert all(t.restored for t in loop.tasks.values())
+
+
+def test_an_input_topic_deleted_under_the_loop_is_created_again_and_the_group_told(monkeypatch, tmp_path):
+    """`orders.delta` deleted under the running loop: the group stops assigning it and the consumer
+    says it is gone. Its publishers' sends failed, and each merge of `orders` waited `max_idle_ms`
+    (10 s an input here) for the partition no longer assigned, until the topic came back. The loop
+    creates it again and subscribes again, so that the group assigns it at once rather than after
+    the consumer's next metadata refresh (5 min); the producer, which does not write to it, stays."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    assign(loop, consumer)
+    loop.admin.gone = {"orders.delta"}
+    consumer.script.append([Message("orders.delta", 0, error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, "Subscribed topic not available"))])
+    loop.cycle()
+    assert loop.admin.ensured == 0  # within a cycle: looked at before the next one
+    loop.cycle()
+    assert loop.admin.ensured == 1 and loop.admin.gone == set()
+    assert consumer.subscriptions == [list(INPUTS)] and len(producers) == 1
+
+
 def test_a_topic_created_again_with_a_smaller_limit_makes_one_new_producer(monkeypatch, tmp_path):
     """`.diff` deleted and created again with a smaller max.message.bytes: the look that creates it
     reads the new limit and makes the producer anew for it, and the recreation made another right

@@ -548,6 +548,7 @@ class SowLoop:
         self._replace_producer = False  # the transactional producer failed and is not replaced yet
         self._admin: AdminClient | None = None  # made when first needed (`admin`)
         self._topics_checked_at = 0.0  # monotonic time of the last look for gone topics (_abort)
+        self._inputs_gone = False  # the consumer said a subscribed input topic is gone (`cycle` creates it again)
         # The topics the loop writes to, and what the smallest of them take (`_limit_outputs`): the
         # producer's largest batch, and the topics that take less than its largest message.
         inputs = {name for spec in topology.sow for name in (spec.topic, spec.delta_topic)}
@@ -727,7 +728,9 @@ class SowLoop:
         """A topic the loop writes to was deleted under it (an operator, a clean-up script): every
         batch would abort on it, forever. Create it again, as at start, so that the batch is redone
         into it; its readers start over from its first offset. The producer (its transaction aborted)
-        is replaced: a new one asks for the new topic's metadata at once."""
+        is replaced: a new one asks for the new topic's metadata at once. An input topic deleted
+        (the consumer says so) is created again too: its publishers' sends failed, and each merge of
+        its SOW topic waited `max_idle_ms` for the partitions the group no longer assigned."""
         now = time.monotonic()
         if now - self._topics_checked_at < _TOPICS_CHECK_S:
             return
@@ -741,8 +744,10 @@ class SowLoop:
         if created:
             log.warning("topics deleted under the running worker, created again: %s (their readers start over from their first offset)", ", ".join(created))
             metrics.TOPICS_RECREATED.inc(len(created))
-            if self.producer is producer:  # not made anew for the new topics' limits already
+            if self.producer is producer and not set(created).isdisjoint(self._outputs):  # it holds them as gone; not made anew already
                 self._renew_producer()
+            if not set(created).isdisjoint(self._by_input):  # the group assigns them now, not after the next metadata refresh (5 min)
+                self._subscribe()
 
     # producer --------------------------------------------------------------------------------
     def _size_limits(self) -> dict[str, int]:
@@ -771,6 +776,14 @@ class SowLoop:
     def stop(self) -> None:
         self._stop.set()
 
+    def _subscribe(self) -> list[str]:
+        """Join the group for every input topic (again: a rebalance that takes in an input topic
+        created anew at once, where the consumer would otherwise notice it at its next metadata
+        refresh). Returns the topics."""
+        inputs = [t for engine in self.engines.values() for t in engine.inputs]
+        self.consumer.subscribe(inputs, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+        return inputs
+
     def run(self) -> None:
         # Every input allocates a few short-lived objects and hardly any reference cycles: with the
         # default thresholds the collector runs every 700 allocations over everything young (a batch
@@ -779,8 +792,7 @@ class SowLoop:
         # a high threshold), runs rarely in between, and never scans what start-up left (gc.freeze).
         gc.freeze()
         gc.set_threshold(100_000, 50, 1000)
-        inputs = [t for engine in self.engines.values() for t in engine.inputs]
-        self.consumer.subscribe(inputs, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+        inputs = self._subscribe()
         log.info("loop: %s, transactional.id %s, inputs %s", self.settings.guarantee.value, self.transactional_id if self.eos else "-", ", ".join(inputs))
         try:
             while not self._stop.is_set():
@@ -925,7 +937,7 @@ class SowLoop:
             task = found[0]
             if self.tasks.pop(task.name, None) is not None:
                 task.engine.detach(task.p)
-                if _stop_restore(task):
+                if _stop_restore(task) and task.store is not None:  # None: its restore had not begun (a slice ended first)
                     task.store.rollback()  # back to the restore's last commit, and the position it read to
                 if task.store is not None:
                     self._parked[task.name] = task.store
@@ -939,6 +951,9 @@ class SowLoop:
         # Inputs sent together may still be split across cycles: the order grace keeps them in order.
         wait = 0.05
         self._check_awake()
+        if self._inputs_gone and not self._in_txn:
+            self._inputs_gone = False
+            self._recreate_gone_topics()
         mono = time.monotonic()
         self._cycle_began = mono
         self._cycle_expired = 0
@@ -1019,6 +1034,8 @@ class SowLoop:
                                       " (KSOW_SESSION_TIMEOUT_MS must be within the broker's group.min/max.session.timeout.ms)")
                 else:
                     log.warning("consumer: %s", err)
+                    if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:  # an input topic deleted: `cycle` creates it again
+                        self._inputs_gone = True
                 run_p = -1  # an end event between two messages of a partition: the second starts a run
                 continue
             topic, p = msg.topic(), msg.partition()
