@@ -76,6 +76,10 @@ class ScriptedConsumer:
     def subscribe(self, topics, **callbacks) -> None:
         self.subscriptions.append(list(topics))
 
+    def list_topics(self, topic=None, timeout=None) -> SimpleNamespace:
+        """Metadata: every topic asked for exists, its partition led by broker 1."""
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions={0: SimpleNamespace(leader=1)})})
+
     def consume(self, n: int, timeout: float) -> list[Message]:
         return self.script.pop(0) if self.script else []
 

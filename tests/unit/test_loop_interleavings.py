@@ -735,6 +735,19 @@ def test_a_batch_that_fails_on_a_deleted_output_topic_creates_it_again_and_is_re
     assert admin.ensured == 1
 
 
+def test_an_input_the_group_does_not_assign_holds_nothing_up(monkeypatch, tmp_path):
+    """`orders.delta` deleted: the group assigns `orders` and `orders.repartition` alone. The merge
+    took the missing input for one behind and waited `max_idle_ms` (10 s) before each input of
+    `orders` it applied; there is nothing to wait for."""
+    loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
+    applied = applied_inputs(loop)
+    loop._on_assign(consumer, [TopicPartition("orders", 0), TopicPartition("orders.repartition", 0)])
+    consumer.script.append([Message("orders", 0, i, _record(i), now_ms() - 1000 + i) for i in range(3)]
+                           + [end_of("orders", 0, 3), end_of("orders.repartition", 0, 0)])
+    loop.cycle()
+    assert applied == [("orders", i) for i in range(3)]
+
+
 def test_partitions_revoked_before_their_restore_began_are_forgotten(monkeypatch, tmp_path):
     """Two partitions assigned: a cycle's restore slice ended in the first, the second's restore was
     made but not begun (its store not opened yet). A rebalance then (a worker joining) crashed the
@@ -754,10 +767,9 @@ def test_partitions_revoked_before_their_restore_began_are_forgotten(monkeypatch
 
 def test_an_input_topic_deleted_under_the_loop_is_created_again_and_the_group_told(monkeypatch, tmp_path):
     """`orders.delta` deleted under the running loop: the group stops assigning it and the consumer
-    says it is gone. Its publishers' sends failed, and each merge of `orders` waited `max_idle_ms`
-    (10 s an input here) for the partition no longer assigned, until the topic came back. The loop
-    creates it again and subscribes again, so that the group assigns it at once rather than after
-    the consumer's next metadata refresh (5 min); the producer, which does not write to it, stays."""
+    says it is gone; its publishers' sends fail. The loop creates it again and, once it has leaders,
+    subscribes again, so that the group assigns it at once rather than after the consumer's next
+    metadata refresh (5 min); the producer, which does not write to it, stays."""
     loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0)
     assign(loop, consumer)
     loop.admin.gone = {"orders.delta"}

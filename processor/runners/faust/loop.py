@@ -729,8 +729,8 @@ class SowLoop:
         batch would abort on it, forever. Create it again, as at start, so that the batch is redone
         into it; its readers start over from its first offset. The producer (its transaction aborted)
         is replaced: a new one asks for the new topic's metadata at once. An input topic deleted
-        (the consumer says so) is created again too: its publishers' sends failed, and each merge of
-        its SOW topic waited `max_idle_ms` for the partitions the group no longer assigned."""
+        (the consumer says so) is created again too, its publishers' sends failing meanwhile, and
+        the group joined anew, so that it assigns the new topic at once."""
         now = time.monotonic()
         if now - self._topics_checked_at < _TOPICS_CHECK_S:
             return
@@ -746,7 +746,9 @@ class SowLoop:
             metrics.TOPICS_RECREATED.inc(len(created))
             if self.producer is producer and not set(created).isdisjoint(self._outputs):  # it holds them as gone; not made anew already
                 self._renew_producer()
-            if not set(created).isdisjoint(self._by_input):  # the group assigns them now, not after the next metadata refresh (5 min)
+            inputs = sorted(set(created) & self._by_input.keys())
+            if inputs:  # the group assigns them now, not after the consumer's next metadata refresh (5 min)
+                self._await_leaders(inputs)
                 self._subscribe()
 
     # producer --------------------------------------------------------------------------------
@@ -775,6 +777,20 @@ class SowLoop:
     # lifecycle ------------------------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
+
+    def _await_leaders(self, topics: list[str]) -> None:
+        """Wait, at most 10 s, until the consumer's metadata gives each of `topics` (just created)
+        its partitions with leaders: a group joined again before then assigns it no partition."""
+        deadline = time.monotonic() + 10
+        for topic in topics:
+            while time.monotonic() < deadline:
+                try:
+                    found = self.consumer.list_topics(topic, timeout=2).topics.get(topic)
+                except KafkaException:
+                    found = None
+                if found is not None and found.error is None and found.partitions and all(p.leader >= 0 for p in found.partitions.values()):
+                    break
+                time.sleep(0.2)
 
     def _subscribe(self) -> list[str]:
         """Join the group for every input topic (again: a rebalance that takes in an input topic
@@ -1158,7 +1174,9 @@ class SowLoop:
         """(behind, force, caught_up) of drain_in_order for the topic's inputs: what may go now."""
         # A paused input is not fetched: it may be behind whatever its end-of-partition said.
         paused = self._paused
-        behind = [not e or tp in paused for t in tasks for e, tp in zip(t.at_end, t.inputs)]
+        # An input the group does not assign (its topic was deleted) has nothing to wait for.
+        assigned = self._task_of_input
+        behind = [(not e or tp in paused) and tp in assigned for t in tasks for e, tp in zip(t.at_end, t.inputs)]
         since = self._waiting_since.get(topic)
         force = since is not None and (time.monotonic() - since) * 1000 >= self.settings.max_idle_ms
         if force:  # waited long enough for an input that is behind: apply what is here
@@ -1303,9 +1321,12 @@ class SowLoop:
         clock = now
         paused = self._paused
         idle_ms = self.settings.max_idle_ms
+        assigned = self._task_of_input
         for rank, q in enumerate(task.queues):
             if q:
                 bound = q[0][0]
+            elif task.inputs[rank] not in assigned:  # its topic was deleted: nothing to wait for
+                continue
             elif not task.at_end[rank] or task.inputs[rank] in paused:
                 if (time.monotonic() - task.filed_at) * 1000 >= idle_ms:
                     continue  # behind, but nothing came for that long: not a backlog being worked off
