@@ -549,6 +549,7 @@ class SowLoop:
         self._admin: AdminClient | None = None  # made when first needed (`admin`)
         self._topics_checked_at = 0.0  # monotonic time of the last look for gone topics (_abort)
         self._inputs_gone = False  # the consumer said a subscribed input topic is gone (`cycle` creates it again)
+        self._inputs_created: list[str] = []  # input topics created again, the group not joined anew yet (`cycle`)
         # The topics the loop writes to, and what the smallest of them take (`_limit_outputs`): the
         # producer's largest batch, and the topics that take less than its largest message.
         inputs = {name for spec in topology.sow for name in (spec.topic, spec.delta_topic)}
@@ -746,10 +747,9 @@ class SowLoop:
             metrics.TOPICS_RECREATED.inc(len(created))
             if self.producer is producer and not set(created).isdisjoint(self._outputs):  # it holds them as gone; not made anew already
                 self._renew_producer()
-            inputs = sorted(set(created) & self._by_input.keys())
-            if inputs:  # the group assigns them now, not after the consumer's next metadata refresh (5 min)
-                self._await_leaders(inputs)
-                self._subscribe()
+            # The group is joined anew for input topics (`cycle`, outside a rebalance callback, which
+            # may have come here): it assigns them now, not after the consumer's next metadata refresh (5 min).
+            self._inputs_created += sorted(set(created) & self._by_input.keys())
 
     # producer --------------------------------------------------------------------------------
     def _size_limits(self) -> dict[str, int]:
@@ -967,9 +967,14 @@ class SowLoop:
         # Inputs sent together may still be split across cycles: the order grace keeps them in order.
         wait = 0.05
         self._check_awake()
-        if self._inputs_gone and not self._in_txn:
-            self._inputs_gone = False
-            self._recreate_gone_topics()
+        if (self._inputs_gone or self._inputs_created) and not self._in_txn:
+            if self._inputs_gone:
+                self._inputs_gone = False
+                self._recreate_gone_topics()
+            if self._inputs_created:
+                created, self._inputs_created = self._inputs_created, []
+                self._await_leaders(created)
+                self._subscribe()
         mono = time.monotonic()
         self._cycle_began = mono
         self._cycle_expired = 0
