@@ -274,15 +274,16 @@ def test_a_reseed_keeps_its_timestamps_within_what_the_changelog_takes(monkeypat
     assert stamps[2] == now - 3_600_000
 
 
-def test_an_input_read_long_after_it_arrived_is_written_within_what_the_changelog_takes(monkeypatch, tmp_path):
+@pytest.mark.parametrize("setting", ["message.timestamp.before.max.ms", "message.timestamp.difference.max.ms"])
+def test_an_input_read_long_after_it_arrived_is_written_within_what_the_changelog_takes(monkeypatch, tmp_path, caplog, setting):
     """A record's `.sow` message carries its last-change instant: the input's timestamp. A worker
     two days behind (stopped that long), with `.sow` set to take at most a day, had every batch
     refused, each time it was redone: such an instant is written as the oldest `.sow` takes, a
-    minute in; a younger one as it is. `.diff` takes the broker's time, as before."""
+    minute in; a younger one as it is. `.diff` takes the broker's time, as before. The warning
+    names the setting that bounds it (difference.max.ms: brokers before Kafka 3.6)."""
     loop, consumer, producers = scripted_loop(monkeypatch, tmp_path, commit_interval_ms=0, guarantee=Guarantee.EXACTLY_ONCE)
     day, now = 86_400_000, now_ms()
-    loop.admin.configs["orders.sow"] = {"cleanup.policy": "compact", "message.timestamp.type": "CreateTime",
-                                        "message.timestamp.before.max.ms": str(day)}
+    loop.admin.configs["orders.sow"] = {"cleanup.policy": "compact", "message.timestamp.type": "CreateTime", setting: str(day)}
     loop.ensure_topics()
     assign(loop, consumer)
     consumer.script.append([Message("orders", 0, 0, _record(0), now - 2 * day), Message("orders", 0, 1, _record(1), now - 3_600_000),
@@ -294,6 +295,7 @@ def test_an_input_read_long_after_it_arrived_is_written_within_what_the_changelo
     assert now - day + 60_000 <= stamps["orders.sow", 0] <= now_ms() - day + 60_000  # the oldest it takes, a minute in
     assert stamps["orders.sow", 1] == now - 3_600_000
     assert [stamp for p in producers for (topic, *_), (_, stamp) in zip(p.delivered, p.stamps) if topic == "orders.diff"] == [0, 0]
+    assert f"orders.sow takes no timestamp older than {day} ms ({setting})" in caplog.text
 
 
 def test_a_reseed_takes_a_transaction_a_step_and_is_done_again_from_the_start_after_an_abort(monkeypatch, tmp_path):

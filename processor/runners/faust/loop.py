@@ -558,6 +558,7 @@ class SowLoop:
         self._batch_bytes = 1_000_000
         self._small_topics: dict[str, int] = {}  # topic -> the largest message it takes, when less than message.max.bytes
         self._stamp_ages: dict[str, int] = {}  # topic -> the oldest timestamp it takes, in ms before now (`_limit_stamps`)
+        self._stamp_settings: dict[str, str] = {}  # topic -> the setting that bounds it, for the warning
         self._stamps_raised: set[str] = set()  # topics an older timestamp was raised for (logged once)
         self._compacted: frozenset[str] = frozenset()  # `.errors` and `.repartition` topics found compacted (`_limit_keys`)
         # While consume() returns full batches its own queue holds more, and librdkafka fetches no
@@ -651,17 +652,17 @@ class SowLoop:
         """How old a timestamp each output topic takes, from its `configs` (an operator's, or a
         cluster's, message.timestamp.before.max.ms; under LogAppendTime the broker stamps messages
         itself): `_Batch` writes an older one as the oldest it takes."""
-        ages = {}
+        ages, settings = {}, {}
         for name in self._outputs:
             found = configs.get(name, {})
             if found.get("message.timestamp.type", "CreateTime") != "CreateTime":
                 continue
             # message.timestamp.difference.max.ms: the one setting for both ways before Kafka 3.6 (KIP-937)
-            age = min((int(v) for k in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms")
-                       if (v := found.get(k, "")).isdigit()), default=_NO_STAMP_LIMIT)
+            age, setting = min(((int(v), k) for k in ("message.timestamp.before.max.ms", "message.timestamp.difference.max.ms")
+                                if (v := found.get(k, "")).isdigit()), default=(_NO_STAMP_LIMIT, ""))
             if age < _NO_STAMP_LIMIT:
-                ages[name] = age
-        self._stamp_ages = ages
+                ages[name], settings[name] = age, setting
+        self._stamp_ages, self._stamp_settings = ages, settings
 
     def _limit_keys(self, configs: dict[str, dict[str, str]]) -> None:
         """The output topics found compacted though ksow creates them with `delete` (made by hand, or
@@ -687,8 +688,8 @@ class SowLoop:
         """Say once per topic that its timestamps are being raised (the records keep their own)."""
         if topic not in self._stamps_raised:
             self._stamps_raised.add(topic)
-            log.warning("%s takes no timestamp older than %d ms (message.timestamp.before.max.ms): older ones are written to it as the oldest it takes",
-                        topic, self._stamp_ages[topic])
+            log.warning("%s takes no timestamp older than %d ms (%s): older ones are written to it as the oldest it takes",
+                        topic, self._stamp_ages[topic], self._stamp_settings[topic])
 
     def _limit_outputs(self, configs: dict[str, dict[str, str]]) -> bool:
         """Fit what the loop writes to its output topics' `max.message.bytes`, from their `configs`
