@@ -30,8 +30,12 @@ deletes. No ordering, no event-ID floor, no views,
 errors or capacity: what these libraries cost on this machine for the same outputs, so the worker's
 ratio can be read against the ratio a Python process reaches at all here.
 
-Last line: `expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with / without
-expiration; with --plain, the plain loop's pair is on the line before it).
+With `--workers N` (N > 1) the stream with nothing expiring also runs on one worker process: N
+processes that share the cores with a local broker may apply it slower than one, and the ratio
+then counts from the faster of the two, so that it cannot rise by slowing its baseline.
+
+Last line: `expiry: p99 lateness X ms, throughput ratio R` (R = stream rec/s with expiration / the
+best without; with --plain, the plain loop's pair is on the line before it).
 """
 
 from __future__ import annotations
@@ -448,6 +452,12 @@ def main() -> None:
     with kafka_bootstrap() as bootstrap:
         log(f"run 1: the stream, nothing expiring ({args.workers} worker process(es))")
         without = run(bootstrap, 0, args.window, args.stream, args.workers, passes=args.passes)
+        # N processes may apply the stream slower than one where they share the cores with the
+        # broker: the ratio then counts from whichever applied it faster.
+        alone = None
+        if args.workers > 1:
+            log("run 1b: the stream, nothing expiring (1 worker process)")
+            alone = run(bootstrap, 0, args.window, args.stream, 1, passes=args.passes)
         # Loading records that carry an expiry entry runs at ~0.7x the stream's rate here (measured):
         # half of it leaves the load time to end before the window starts.
         load_rate = without["stream_rate"] / 2
@@ -459,6 +469,7 @@ def main() -> None:
             log("run 4: the plain loop, expiring records + the same stream (the same load margin)")
             plain_with = run(bootstrap, args.records, args.window, args.stream, 1, load_rate, plain=True, passes=args.passes)
     r = with_exp["stream_rate"] / without["stream_rate"]
+    best = max(without["stream_rate"], alone["stream_rate"] if alone else 0.0)
     print(f"{with_exp['n']:,} records expired, instants spread over {args.window:.0f}s (load took {with_exp['load_s']:.0f}s), "
           f"{args.workers} worker process(es)")
     print(f"  lateness (actual expiry - instant): p50 {with_exp['p50']} ms, p99 {with_exp['p99']} ms, max {with_exp['max']} ms")
@@ -467,6 +478,10 @@ def main() -> None:
     print(f"  concurrent stream of {args.stream:,} records, {args.passes} passes (median): {with_exp['stream_rate']:,.0f} rec/s with expiry "
           f"({', '.join(f'{x:,.0f}' for x in with_exp['stream_rates'])}), {without['stream_rate']:,.0f} rec/s without "
           f"({', '.join(f'{x:,.0f}' for x in without['stream_rates'])})")
+    if alone:
+        print(f"  the same stream on one worker process, nothing expiring: {alone['stream_rate']:,.0f} rec/s "
+              f"({', '.join(f'{x:,.0f}' for x in alone['stream_rates'])}); with expiry on {args.workers} against "
+              f"without on {args.workers}: {r:.2f}, against without on one: {with_exp['stream_rate'] / alone['stream_rate']:.2f}")
     print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
         f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
     rate = args.records / args.window  # expiries a second, shared by the workers
@@ -500,7 +515,7 @@ def main() -> None:
               f"{plain_with['sweep_s'] / max(1, plain_with['expired']) * 1e6:.1f} us an expiry over the whole run")
         print(cpu_line("plain loop", plain_with, plain_without))
         print(f"plain loop: p99 lateness {plain_with['p99']} ms, throughput ratio {plain_with['stream_rate'] / plain_without['stream_rate']:.2f}")
-    print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {r:.2f}")
+    print(f"expiry: p99 lateness {with_exp['p99']} ms, throughput ratio {with_exp['stream_rate'] / best:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import hashlib
 from collections.abc import Generator
 
 from processor.contract.errors import ConfigError, InputError
+from processor.contract.types import SowRecord
 from processor.core.codec import Codec
 from processor.core.keys import KEY_FORMAT, KeyError_
 from processor.state.base import PartitionStore
@@ -96,13 +97,14 @@ class EncodingChangeError(ConfigError):
     """A record of the SOW cannot be written in the topology's new encoding."""
 
 
-def check_encoding(store: PartitionStore, spec: SowTopic, codec: Codec, partition: int) -> Generator[None, None, bool]:
+def check_encoding(store: PartitionStore, spec: SowTopic, codec: Codec, partition: int, project: bool = True) -> Generator[None, None, bool]:
     """Whether partition `partition`'s records must be written back to `.sow` because the topology
     changed how they are encoded since they were written there (its value); the store is stamped
     with the new encoding (committed with its next commit, after the re-seed's transaction: a crash
     before it re-seeds again). A store stamped with none (an earlier release, a store rebuilt from
     the changelog) is stamped. EncodingChangeError, before anything is written, when a record does
-    not fit the new encoding. Run it (a step every SCAN_STEP records) after `check_key_format`."""
+    not fit the new encoding. Then, with `project`, each record is made what the new encoding reads
+    back (`_project`). Run it (a step every SCAN_STEP records) after `check_key_format`."""
     definition, stamped = encoding_definition(codec), store.meta(_ENCODING)
     if stamped == definition:
         return False
@@ -120,8 +122,28 @@ def check_encoding(store: PartitionStore, spec: SowTopic, codec: Codec, partitio
                 ) from None
             if n % SCAN_STEP == 0:
                 yield
+        if project:
+            yield from _project(store, codec)
     store.set_meta(_ENCODING, definition)
     return bool(stamped) and store.count() > 0
+
+
+def _project(store: PartitionStore, codec: Codec) -> Generator[None, None, None]:
+    """Each record as the new encoding reads it back: a field the schema dropped is gone, one it
+    added has its default. The re-seed writes that to `.sow` whatever the store holds, so without
+    this a query to the worker, a merge and `EXP.` kept the old shape where `.sow` and a store
+    rebuilt from it had the new one. Committed a step at a time (a million records would not fit
+    in memory staged): nothing else is staged here (`project` is false while a recreated
+    changelog's replay is), and the new stamp only after the last step, so a crash before the
+    re-seed ends projects again, which changes nothing more, and re-seeds again."""
+    for n, (key, record) in enumerate(store.records(), 1):  # a point-in-time scan: the commits below do not move it
+        data = codec.decode(codec.encode(record.data))
+        if data != record.data:
+            store.put(key, SowRecord(data, record.seq, record.expires_at, record.updated_at))
+        if n % SCAN_STEP == 0:
+            store.commit()
+            yield
+    store.commit()
 
 
 def rebuild_message(spec: SowTopic, partition: int, group: str, stored: str, current: str | None, older_rule: bool = True) -> str:

@@ -25,7 +25,7 @@ def test_a_store_rebuilt_after_a_schema_change_keeps_the_records_written_before_
     """A field added with a default to a topic's Avro schema: the values its `.sow` held no longer
     read under the new schema, and a store rebuilt from it (a worker on a new machine) passed them
     over, as did a client reading `.sow` without workers. The first worker with the new schema
-    writes its records to `.sow` again."""
+    writes its records to `.sow` again, and holds them as the new schema reads them back."""
     topic = unique_name
     schema(tmp_path / "v1.avsc")
     schema(tmp_path / "v2.avsc", {"name": "qty", "type": "long", "default": 0})
@@ -53,6 +53,9 @@ def test_a_store_rebuilt_after_a_schema_change_keeps_the_records_written_before_
         client.publish(topic, {"id": 8, "status": "new", "qty": 3})
         client.flush()
         wait_until(lambda: ids() == list(range(9)), 60, "9 records")
+        # The worker's own store holds what `.sow` now says: the new field with its default.
+        kept = {e.record["id"]: e.record for e in Client(kafka_bootstrap, load_topology(path), group).query(topic)}
+        assert kept[2] == {"id": 2, "status": "new", "qty": 0} and kept[8]["qty"] == 3
     finally:
         w.stop()
     rewritten = w.log()

@@ -165,3 +165,40 @@ def test_a_record_the_new_encoding_cannot_write_stops_the_worker_before_anything
     assert message.startswith("orders partition 2: the topic's encoding changed (avro, schema v2.avsc) since its records were written to orders.sow")
     assert "its record k1 cannot be written in the new one" in message and "qty" in message
     assert store.meta("encoding") == stamped
+
+
+def test_a_changed_schema_leaves_the_store_holding_what_the_new_one_reads_back(tmp_path, store, monkeypatch):
+    """A field dropped from the Avro schema and one added with a default: the re-seed writes the
+    records to `.sow` in the new shape, and the store held the old one until each record changed (a
+    query to the worker and a read of `.sow` differed). The store's records are now what the new
+    schema reads back, with their event IDs, instants and counts as they were, committed a step at
+    a time; the new stamp stays staged (a crash before the re-seed ends projects and re-seeds again)."""
+    monkeypatch.setattr(keyformat, "SCAN_STEP", 5)
+    v1 = avro(tmp_path, "v1", {"name": "desk", "type": "string", "default": ""})
+    run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 0))
+    for i in range(12):
+        store.stage(f"k{i}", SowRecord({"id": i, "status": "new", "desk": "d"}, 100 + i, 5_000 + i if i % 2 else None, 7 + i))
+    store.commit()
+    stamped = store.meta("encoding")
+    v2 = avro(tmp_path, "v2", {"name": "qty", "type": "long", "default": 0})  # desk dropped, qty added
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0)) is True
+    store.rollback()  # as a crash before the re-seed's last step: the records' commits stay, the stamp does not
+    assert store.meta("encoding") == stamped and store.count() == 12
+    assert {k: (r.data, r.seq, r.expires_at, r.updated_at) for k, r in store.records()} == {
+        f"k{i}": ({"id": i, "status": "new", "qty": 0}, 100 + i, 5_000 + i if i % 2 else None, 7 + i) for i in range(12)}
+    assert sorted(at for at, _ in store.due(10_000)) == [5_000 + i for i in range(1, 12, 2)]  # expiry entries as they were
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0)) is True  # again, changing nothing more
+    assert {k: r.data for k, r in store.records()}["k3"] == {"id": 3, "status": "new", "qty": 0}
+
+
+def test_records_keep_their_shape_while_a_recreated_changelog_replay_is_staged(tmp_path, store):
+    """`project=False` (the loop's, while a recreated changelog's replay waits for its re-seed to
+    commit): nothing is committed under it."""
+    v1 = avro(tmp_path, "v1", {"name": "desk", "type": "string", "default": ""})
+    run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 0))
+    put(store, "k1", {"id": 1, "status": "new", "desk": "d"})
+    store.set_meta("changelog_incarnation", 9)  # staged by the replay
+    v2 = avro(tmp_path, "v2", {"name": "qty", "type": "long", "default": 0})
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0, project=False)) is True
+    store.rollback()
+    assert store.committed("k1").data == {"id": 1, "status": "new", "desk": "d"} and store.meta("changelog_incarnation") == 0

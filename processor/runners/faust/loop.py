@@ -1635,7 +1635,8 @@ class SowLoop:
             return False
         count, reseed = yield from self._replaying(task, store)
         yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule or key: stop, say how to rebuild
-        if (yield from check_encoding(store, spec, task.engine.codec, task.p)) and not reseed:
+        # A recreated changelog's replay stays staged until its re-seed commits: no step commits meanwhile.
+        if (yield from check_encoding(store, spec, task.engine.codec, task.p, project=not reseed)) and not reseed:
             log.warning("%s partition %d: the topic's encoding changed since its records were written to %s: writing its %d "
                         "records there again in the new one", spec.topic, task.p, spec.sow_topic, store.count())
             metrics.RESEEDS.inc()
