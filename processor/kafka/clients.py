@@ -28,10 +28,16 @@ def resolve_bootstrap(bootstrap: str | None) -> str | None:
     return bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or kafka_config().bootstrap
 
 
+# librdkafka refreshes what it knows of its topics every 5 minutes by default: a worker found an
+# input topic deleted under it (and created it again) only then. One small metadata request a client
+# every 30 s finds it within 30 s; the deployment may set another (KAFKA_TOPIC_METADATA_REFRESH_INTERVAL_MS).
+_COMMON = {"topic.metadata.refresh.interval.ms": 30_000}
+
+
 def _client_config(bootstrap: str, defaults: dict, overrides: dict) -> dict:
     """ksow's defaults, then the deployment's settings (security, tuning: processor.kafka.config),
     then what the caller needs for this client."""
-    return {**defaults, **kafka_config().properties, **overrides, "bootstrap.servers": bootstrap}
+    return {**_COMMON, **defaults, **kafka_config().properties, **overrides, "bootstrap.servers": bootstrap}
 
 
 def make_admin(bootstrap: str, **overrides) -> AdminClient:

@@ -2,7 +2,7 @@
 while the worker was down (re-seeded, not wiped), a record that would outgrow a Kafka message
 (refused, on `.errors`), a record on `.sow` that is not a SOW record (skipped on restore),
 partitions added to an input topic under a running worker (it stops, in one line), output topics
-deleted under a running worker (created again, nothing lost or repeated; the registry too), an output topic that
+deleted under a running worker (created again, nothing lost or repeated; an input topic and the registry too), an output topic that
 takes smaller messages than ksow's limits or no timestamp as old as an input's, a changelog that removes records by time (refused), the
 broker itself crashing under a stream of inputs."""
 
@@ -288,13 +288,44 @@ def test_output_topics_deleted_under_a_running_worker_are_created_again_and_noth
         worker.stop()
 
 
+def test_an_input_topic_deleted_under_a_running_worker_is_created_again_and_read(kafka_bootstrap, unique_name, tmp_path, admin):
+    """`.delta` deleted under a running worker: librdkafka noticed at its next metadata refresh,
+    5 minutes by default, and each input of the SOW topic waited 10 s meanwhile for the partitions
+    the group no longer assigned. ksow's clients refresh every 30 s: the worker creates the topic
+    again and joins its group anew, and a delta sent to the new `.delta` is applied."""
+    path = write_topology(tmp_path, unique_name)
+    spec = load_topology(path).sow[0]
+    client = Client(kafka_bootstrap, load_topology(path), f"g-{unique_name}")
+    worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w").start()
+    values = lambda: {e.record["id"]: e.record["v"] for e in client.query(spec.topic)}  # noqa: E731
+    try:
+        for i in range(4):
+            client.publish(spec.topic, {"id": i, "v": 0})
+        client.flush()
+        wait_until(lambda: values() == {i: 0 for i in range(4)}, 60, "4 records")
+        admin.delete_topics([spec.delta_topic])[spec.delta_topic].result(30)
+        deleted = time.monotonic()
+        wait_until(lambda: spec.delta_topic not in admin.list_topics(timeout=10).topics, 30, "the topic deleted")
+        wait_until(lambda: spec.delta_topic in admin.list_topics(timeout=10).topics, 90, "the topic created again")
+        assert time.monotonic() - deleted < 60  # 30 s to notice, at most, and the creation
+        p = producer(kafka_bootstrap)
+        p.produce(spec.delta_topic, orjson.dumps({"id": 1, "v": 2}), spec.key_spec.sow_key({"id": 1}).encode())
+        p.flush(30)
+        client.publish(spec.topic, {"id": 9, "v": 0})
+        client.flush()
+        wait_until(lambda: values() == {0: 0, 1: 2, 2: 0, 3: 0, 9: 0}, 60, "the delta to the new topic and a later input applied")
+        assert "created again: " + spec.delta_topic in worker.log() and worker.proc.poll() is None
+    finally:
+        worker.stop()
+
+
 def test_a_registry_topic_deleted_under_a_running_worker_is_created_again(kafka_bootstrap, unique_name, tmp_path, admin):
     """Clients find workers through the registry topic. Deleted under a running worker, it stayed
     gone: the worker's announcements failed, and clients fell back to reading `.sow`, for as long
     as the worker ran. The worker creates it again and announces itself there."""
     registry = f"__ksow_workers-{unique_name}"
     path = write_topology(tmp_path, unique_name)
-    # librdkafka finds a topic gone at its next metadata refresh: 5 min by default
+    # librdkafka finds a topic gone at its next metadata refresh: every 30 s in ksow, 2 s here
     env = {"KSOW_REGISTRY_TOPIC": registry, "KAFKA_TOPIC_METADATA_REFRESH_INTERVAL_MS": "2000"}
     worker = WorkerProcess(kafka_bootstrap, path, f"g-{unique_name}", tmp_path / "d", "w", env=env).start()
     try:

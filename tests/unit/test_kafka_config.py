@@ -195,7 +195,15 @@ def test_describe_masks_secrets():
 def test_deployment_settings_override_defaults_and_callers_override_both():
     use_kafka_config(KafkaConfig({"compression.type": "zstd", "client.id": "deploy"}))
     config = _client_config("h:1", {"compression.type": "lz4", "linger.ms": 5}, {"client.id": "worker-1"})
-    assert config == {"compression.type": "zstd", "linger.ms": 5, "client.id": "worker-1", "bootstrap.servers": "h:1"}
+    assert config == {"compression.type": "zstd", "linger.ms": 5, "client.id": "worker-1", "bootstrap.servers": "h:1",
+                      "topic.metadata.refresh.interval.ms": 30_000}
+
+
+def test_clients_refresh_their_topics_metadata_every_30_s_unless_the_deployment_says_otherwise():
+    """librdkafka's 5 minutes was how long a worker took to find an input topic deleted under it."""
+    assert _client_config("h:1", {}, {})["topic.metadata.refresh.interval.ms"] == 30_000
+    use_kafka_config(KafkaConfig({"topic.metadata.refresh.interval.ms": "120000"}))
+    assert _client_config("h:1", {}, {})["topic.metadata.refresh.interval.ms"] == "120000"
 
 
 # ------------------------------------------------------------------ Spark
