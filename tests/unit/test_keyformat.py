@@ -202,3 +202,25 @@ def test_records_keep_their_shape_while_a_recreated_changelog_replay_is_staged(t
     assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0, project=False)) is True
     store.rollback()
     assert store.committed("k1").data == {"id": 1, "status": "new", "desk": "d"} and store.meta("changelog_incarnation") == 0
+
+
+def test_a_record_the_new_encoding_does_not_read_back_is_kept_as_it_is(tmp_path, store, monkeypatch):
+    """A value too deep for the codec's reader: the worker must not stop at restore over it."""
+    from processor.contract.errors import InputError
+
+    v1 = avro(tmp_path, "v1", {"name": "desk", "type": "string", "default": ""})
+    run(keyformat.check_encoding(store, AVRO_ORDERS, v1, 0))
+    put(store, "k1", {"id": 1, "status": "new", "desk": "d"})
+    put(store, "k2", {"id": 2, "status": "new", "desk": "d"})
+    v2 = avro(tmp_path, "v2")  # desk dropped
+    decode = v2.decode
+
+    def refuse_k1(data: bytes) -> dict:
+        record = decode(data)
+        if record["id"] == 1:
+            raise InputError("value nests too deep for the topic's recursive Avro schema")
+        return record
+
+    monkeypatch.setattr(v2, "decode", refuse_k1)
+    assert run(keyformat.check_encoding(store, AVRO_ORDERS, v2, 0)) is True
+    assert {k: r.data for k, r in store.records()} == {"k1": {"id": 1, "status": "new", "desk": "d"}, "k2": {"id": 2, "status": "new"}}
