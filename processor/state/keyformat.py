@@ -133,9 +133,10 @@ def _project(store: PartitionStore, codec: Codec) -> Generator[None, None, None]
     added has its default. The re-seed writes that to `.sow` whatever the store holds, so without
     this a query to the worker, a merge and `EXP.` kept the old shape where `.sow` and a store
     rebuilt from it had the new one. Committed a step at a time (a million records would not fit
-    in memory staged): nothing else is staged here (`project` is false while a recreated
-    changelog's replay is), and the new stamp only after the last step, so a crash before the
-    re-seed ends projects again, which changes nothing more, and re-seeds again."""
+    in memory staged): nothing staged here must wait for the re-seed (`project` is false while a
+    recreated changelog's replay is; key stamps may go at once), and the new stamp is staged only
+    after the last step, so a crash before the re-seed ends projects again, which changes nothing
+    more, and re-seeds again."""
     for n, (key, record) in enumerate(store.records(), 1):  # a point-in-time scan: the commits below do not move it
         try:
             data = codec.decode(codec.encode(record.data))
