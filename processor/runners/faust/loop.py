@@ -749,7 +749,7 @@ class SowLoop:
             if self.producer is producer and not set(created).isdisjoint(self._outputs):  # it holds them as gone; not made anew already
                 self._renew_producer()
             # The group is joined anew for input topics (`cycle`, outside a rebalance callback, which
-            # may have come here): it assigns them now, not after the consumer's next metadata refresh (5 min).
+            # may have come here): it assigns them now, not after the consumer's next metadata refresh (up to 30 s, `_COMMON` in processor.kafka.clients).
             self._inputs_created += sorted(set(created) & self._by_input.keys())
 
     # producer --------------------------------------------------------------------------------
