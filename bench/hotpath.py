@@ -63,6 +63,16 @@ def output_buffer(producer) -> SimpleNamespace:
                            settings=SimpleNamespace(max_message_bytes=1_000_000))
 
 
+def serve_reports(loop) -> None:
+    """Serve the producer's delivery reports between chunks, untimed, as the worker's commit does
+    each cycle. Left unserved, each message produced stays in memory until the end (300,000 for 100,000
+    expiries), and the expiry figure swung from 11.3 to 19.8 us across five runs here, against
+    10.3-10.9 us with the reports served."""
+    poll = getattr(loop.producer, "poll", None)
+    if poll is not None:
+        poll(0)
+
+
 def inputs(topic: str, n: int, k: int, deltas: float, start_ms: int) -> list[InputMessage]:
     return [InputMessage(t, owner_partition(key.decode(), PARTITIONS), i, key, value, None, start_ms + i // 10)
             for i, (t, key, value) in enumerate(workload(topic, n, k, deltas))]
@@ -87,6 +97,7 @@ def ingest(messages: list[InputMessage], topic: str, folder: Path, loop, sow: in
         for store in stores:
             store.commit()
         chunks.append((time.thread_time() - began) / len(cycle) * 1e6)
+        serve_reports(loop)
     for store in stores:
         store.close()
     return statistics.median(chunks)
@@ -129,6 +140,7 @@ def expiry(n: int, folder: Path, loop, start_ms: int) -> float:
             break
         left -= done
         chunks.append((time.thread_time() - began) / done * 1e6)
+        serve_reports(loop)
     store.close()
     return statistics.median(chunks)
 
