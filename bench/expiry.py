@@ -1,7 +1,7 @@
 """Expiry benchmark (issue 3): N records whose instants fall in one 60 s window, expired by a worker
 while it also ingests a concurrent publish stream; the same stream again with nothing expiring.
 
-    python bench/expiry.py [--records 1000000] [--window 60] [--stream 100000] [--passes 3] [--workers 1] [--plain]
+    python bench/expiry.py [--records 1000000] [--window 60] [--stream 100000] [--passes 3] [--workers 1] [--loaded-control] [--plain]
 
 Phase 1 loads N records into the `exp` SOW topic with per-message lifetimes chosen so that their
 instants spread uniformly over [W, W + window] (W: a moment after the load is applied). At W a
@@ -20,6 +20,12 @@ there is one) used then, and the CPU an expiry cost each over what they use idle
 after run 1's stream): what expiry asks of a deployment. After the window the bench reads the
 workers' `ksow_expiry_lateness_seconds` too, the histogram an operator watches, and prints the
 bucket 99% of their sweeps fall in beside the events' own p99.
+
+`--loaded-control` runs the stream once more over the same N records, loaded the same way and
+waited for as long, but with instants an hour later, so that none expires while it runs: it tells
+what expiring costs the stream from what holding N more records in the SOW does (the stores
+larger, RocksDB's background work after the load). The last line keeps counting from the stream
+with nothing loaded, as issue 3 asks.
 
 `--plain` runs both phases again with a plain loop in place of the worker, in the same run: one
 process, confluent-kafka + orjson + rocksdict, a transaction a cycle (200 ms) with the input
@@ -302,10 +308,11 @@ def start_plain(bootstrap: str, topology: dict, exp: str, load: str, tmp: Path) 
 
 
 def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_rate: float = 0.0, plain: bool = False,
-        passes: int = PASSES) -> dict:
+        passes: int = PASSES, due_later: bool = False) -> dict:
     """One run: with n > 0, n expiring records loaded at about `load_rate` records a second first;
-    with `plain`, by the plain loop instead of `ksow up`."""
-    with_expiry = n > 0
+    with `plain`, by the plain loop instead of `ksow up`; with `due_later`, the same records and
+    the same wait, but their instants an hour after the window (none expires in the run)."""
+    with_expiry = n > 0 and not due_later
     exp, load = unique_name("exp"), unique_name("load")
     tmp = Path(tempfile.mkdtemp(prefix="ksow-bench-expiry-"))
     topology = {"sow": [
@@ -327,7 +334,7 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
         if not plain:
             wait_for_group(bootstrap, group, workers, alive)
         result: dict = {}
-        if with_expiry:
+        if n:
             # Instants in [W, W + window]; W leaves time to load N records first.
             load_s = max(20.0, n / load_rate)
             start_at = time.time() + load_s
@@ -338,7 +345,7 @@ def run(bootstrap: str, n: int, window: float, stream: int, workers: int, load_r
             producer = publisher(bootstrap)
             began = time.time()
             for key, value in records(exp, n):
-                instant = start_at + rnd.uniform(0, window)
+                instant = start_at + rnd.uniform(0, window) + (3600 if due_later else 0)
                 instants.append(instant)
                 lifetime_ms = max(1, int((instant - time.time()) * 1000))
                 produce(producer, exp, value, key, headers=[("sow-expiration", f"{lifetime_ms}ms".encode())])
@@ -443,6 +450,8 @@ def main() -> None:
     parser.add_argument("--stream", type=int, default=100_000)
     parser.add_argument("--passes", type=int, default=PASSES, help="times the stream is sent, one after the other (the rate is their median)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes (ksow up --workers)")
+    parser.add_argument("--loaded-control", action="store_true",
+                        help="run the stream once more over the same N records loaded, none of them due in the run")
     parser.add_argument("--plain", action="store_true", help="run both phases with the plain loop too, after the worker")
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)  # the plain loop's own process
     args = parser.parse_args()
@@ -463,6 +472,10 @@ def main() -> None:
         load_rate = without["stream_rate"] / 2
         log(f"run 2: expiring records + the same stream (load margin {args.records / load_rate:.0f}s)")
         with_exp = run(bootstrap, args.records, args.window, args.stream, args.workers, load_rate, passes=args.passes)
+        loaded = None
+        if args.loaded_control:
+            log("run 2b: the same records loaded, due an hour later, + the same stream")
+            loaded = run(bootstrap, args.records, args.window, args.stream, args.workers, load_rate, passes=args.passes, due_later=True)
         if args.plain:
             log("run 3: the plain loop, the stream with nothing expiring")
             plain_without = run(bootstrap, 0, args.window, args.stream, 1, plain=True, passes=args.passes)
@@ -482,8 +495,16 @@ def main() -> None:
         print(f"  the same stream on one worker process, nothing expiring: {alone['stream_rate']:,.0f} rec/s "
               f"({', '.join(f'{x:,.0f}' for x in alone['stream_rates'])}); with expiry on {args.workers} against "
               f"without on {args.workers}: {r:.2f}, against without on one: {with_exp['stream_rate'] / alone['stream_rate']:.2f}")
-    print("  the loop while the stream ran, seconds a second (without | with expiry): " + ", ".join(
-        f"{step} {without['steps'][step]:.2f} | {with_exp['steps'][step]:.2f}" for step in STEPS))
+    if loaded:
+        print(f"  the same stream over the same {args.records:,} records loaded, none due: {loaded['stream_rate']:,.0f} rec/s "
+              f"({', '.join(f'{x:,.0f}' for x in loaded['stream_rates'])}); with expiry against it: "
+              f"{with_exp['stream_rate'] / loaded['stream_rate']:.2f}; it against nothing loaded: {loaded['stream_rate'] / best:.2f}")
+    print(f"  the loop while the stream ran, seconds a second (without{' | loaded, none due' if loaded else ''} | with expiry): " + ", ".join(
+        step + " " + " | ".join(f"{r['steps'][step]:.2f}" for r in (without, loaded, with_exp) if r) for step in STEPS))
+    if loaded:
+        idle, busy = without["cpu"], loaded["cpu"]
+        print(f"  cores used in the {IDLE_S:.0f}s after the stream, nothing loaded | loaded: worker {idle['worker'] or 0:.2f} | "
+              f"{busy['worker'] or 0:.2f}, local broker {idle['broker'] or 0:.2f} | {busy['broker'] or 0:.2f}")
     rate = args.records / args.window  # expiries a second, shared by the workers
 
     def per_expiry(seconds: float) -> float:

@@ -40,7 +40,7 @@ BENCHES = [
                  rf"hotpath: input {NUMBER} us, expiry {NUMBER} us, plain loop {NUMBER} us, plain expiry {NUMBER} us, ratio {NUMBER}, "
                  rf"expiry ratio {NUMBER}", id="hotpath"),
     pytest.param("produce_cost", ["-n", "3000"], rf"produce: {NUMBER} us a message with headers, {NUMBER} us without, .*", id="produce_cost"),
-    pytest.param("expiry", ["--records", "2000", "--window", "5", "--stream", "2000", "--passes", "1"],
+    pytest.param("expiry", ["--records", "2000", "--window", "5", "--stream", "2000", "--passes", "1", "--loaded-control"],
                  rf"expiry: p99 lateness {NUMBER} ms, throughput ratio {NUMBER}", id="expiry"),
     pytest.param("snapshot", ["--events", "5000", "--keys", "500"], rf"snapshot: spark {NUMBER} events/s, loop {NUMBER} events/s, ratio {NUMBER}",
                  id="snapshot", marks=[pytest.mark.spark, _NO_SPARK]),
