@@ -24,6 +24,7 @@ from processor.core.paths import PathError, split_path
 from processor.core.regex import RegexError, regex
 
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "topology" / "default.yaml"
+MAX_VIEWS_PER_TOPIC = 256  # the views' mark (engine.views.views_mark) fits brokers' default offset.metadata.max.bytes (4,096)
 
 
 class TopologyError(ConfigError):
@@ -361,6 +362,11 @@ class Topology(BaseModel):
             if self.sow[names.index(view.topic)].persistence is Persistence.TRANSIENT:
                 raise ValueError(f"views[{view.name}].topic: {view.topic!r} is transient: it keeps no SOW, and a view needs "
                                  "the record before a change to tell when it leaves the filter (make the topic memory or persistent)")
+        for name in names:
+            count = sum(v.topic == name for v in self.views)
+            if count > MAX_VIEWS_PER_TOPIC:
+                raise ValueError(f"views: {count} views of SOW topic {name!r}, over the limit of {MAX_VIEWS_PER_TOPIC} a topic "
+                                 "(which definitions a partition's view topics follow is kept in its committed offsets' metadata)")
         self._check_topic_roles()
         if self.replication_factor and self.min_insync_replicas and self.min_insync_replicas > self.replication_factor:
             raise ValueError(f"min_insync_replicas {self.min_insync_replicas} is above replication_factor {self.replication_factor}")

@@ -27,7 +27,7 @@ from processor.core.keyplan import choose_keys
 from processor.core.keys import owner_partition
 from processor.engine.outputs import Streams, rejected, source_headers
 from processor.engine.partition import DeleteBudget, PartitionState, SowPartition
-from processor.engine.views import ViewProcessor, views_of
+from processor.engine.views import ViewProcessor, views_mark, views_of
 from processor.state.base import IndexSpec, PartitionStore
 from processor.topology import SowTopic, View
 
@@ -61,6 +61,7 @@ class SowTopicEngine:
         self.spec = spec
         self.codec: Codec = spec.codec(topology_dir)
         self.views: list[ViewProcessor] = views_of(spec, views)
+        self.views_mark = views_mark(self.views)  # the metadata of its inputs' offsets (what its views' topics follow)
         self.streams = Streams.of(spec)
         self.partitions: dict[int, SowPartition] = {}
         self.restoring: set[int] = set()  # partitions this runner owns whose state is being rebuilt (detached)

@@ -10,10 +10,16 @@ merged into one event, sent when the interval ends.
 Exactly-once: a held event is also written to the compacted `<topic>.holds` topic in the batch's
 transaction (a tombstone when it is released), and a worker that takes the partition reads the holds
 back, so no conflated event is lost or sent twice across a crash or a rebalance.
+
+A view added to a topic that already has records, or whose filter, select list or options changed,
+is seeded: each partition writes its records to `<view>.sow` as the view now sees them (`seed`).
+Which definitions a partition's `<view>.sow` follows travels with the group's committed input
+offsets, as their metadata (`views_mark`), so it moves with the partition and survives a lost disk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,15 +27,16 @@ from typing import Iterable
 
 import orjson
 
-from processor.contract.types import Op, Output
+from processor.contract.types import Op, Output, SowRecord
 from processor.contract import headers as H
 from processor.core.durations import parse_duration_ms
 from processor.core.filters import compile_filter
 from processor.core.subscription import SubscriptionSpec, conflate_event
 from processor.core.sow import Transition
-from processor.topology import SowTopic, View
+from processor.topology import MAX_VIEWS_PER_TOPIC, SowTopic, View
 
 _INSERT = Op.INSERT.value.encode()
+_OOF = Op.OOF.value.encode()
 log = logging.getLogger("ksow.views")
 
 
@@ -64,6 +71,7 @@ class ViewProcessor:
         )
         self.conflation_ms = parse_duration_ms(self.view.conflation) if self.view.conflation else 0
         self._prefix = f"{self.number}|"
+        self.token = _digest(repr((self.view.name, self.view.filter, tuple(self.view.select), sorted(self.view.options))))
 
     @property
     def sow_topic(self) -> str:
@@ -81,9 +89,7 @@ class ViewProcessor:
         expires = record.expires_at if record else None
         key = t.key.encode()
         was, now_in = self.sub.matches(before), self.sub.matches(after)
-        base = [(H.SEQ, b"%d" % t.seq)] if self.sub.no_sowkey else [(H.KEY, key), (H.SEQ, b"%d" % t.seq)]
-        if expires is not None:
-            base.append((H.EXPIRES_AT, b"%d" % expires))
+        base = self._headers(key, t.seq, expires)
         if t.op is Op.EXPIRE:  # as on the SOW topic's own expire events
             base.append((H.ACTUAL_EXPIRY, b"%d" % t.at_ms))
         if now_in:  # a record new to the view is an insert to it, whatever it was to the SOW
@@ -102,6 +108,28 @@ class ViewProcessor:
             self._hold(p, t.key, event, headers, t.at_ms, out)
         else:
             out.append(Output(self.diff_topic, p, key, orjson.dumps(event["record"]), headers))
+
+    def seed(self, p: int, records: Iterable[tuple[str, SowRecord]], tombstones: bool) -> list[Output]:
+        """The `<view>.sow` messages that make partition p's records what the view now selects: an
+        insert for each record it matches and, with `tombstones` (its `<view>.sow` partition holds
+        messages: of another definition, or of the view before it was taken out of the topology), a
+        tombstone for each it does not. Nothing on `<view>.diff`: no record changed."""
+        out = []
+        for key, record in records:
+            data, kb = record.data, key.encode()
+            headers = self._headers(kb, record.seq, record.expires_at)
+            if self.sub.matches(data):
+                out.append(Output(self.sow_topic, p, kb, orjson.dumps(self.sub.shape(data)), headers + [(H.OP, _INSERT)]))
+            elif tombstones:
+                out.append(Output(self.sow_topic, p, kb, None, headers + [(H.OP, _OOF)]))
+        return out
+
+    def _headers(self, key: bytes, seq: int, expires: int | None) -> list:
+        """The headers of a view message about one record, but its sow-op."""
+        headers = [(H.SEQ, b"%d" % seq)] if self.sub.no_sowkey else [(H.KEY, key), (H.SEQ, b"%d" % seq)]
+        if expires is not None:
+            headers.append((H.EXPIRES_AT, b"%d" % expires))
+        return headers
 
     def _hold(self, p: int, key: str, event: dict, headers: list, now: int, out: list) -> None:
         waiting = self.pending.setdefault(p, {})
@@ -186,3 +214,31 @@ def _held(value: bytes) -> _Pending | None:
 
 def views_of(spec: SowTopic, views: Iterable[View]) -> list[ViewProcessor]:
     return [ViewProcessor(view, spec, number) for number, view in enumerate(views)]
+
+
+_MARK = "ksow-views:"  # how an offset's metadata that names view definitions begins
+_TOKEN = 12  # hexadecimal characters a view takes in it (a digest of its name and definition)
+assert len(_MARK) + MAX_VIEWS_PER_TOPIC * _TOKEN < 4096  # Kafka's default offset.metadata.max.bytes
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=_TOKEN // 2).hexdigest()
+
+
+def views_mark(views: Iterable[ViewProcessor]) -> str:
+    """The metadata of the committed offsets of a partition whose `<view>.sow` topics follow these
+    views' definitions."""
+    return _MARK + "".join(v.token for v in views)
+
+
+def views_to_seed(views: Iterable[ViewProcessor], marks: Iterable[str | None]) -> tuple[list[ViewProcessor], bool]:
+    """The views a partition may have to seed, given the metadata of its inputs' committed offsets:
+    those not named as they are now by every input that carries a mark; and whether any input
+    carries one. Inputs committed without one say nothing: none committed yet (the partition's
+    records may all have come through other partitions' inputs), or committed by a release before
+    views were seeded. With no mark at all, every view is returned, and what its topic holds must
+    decide."""
+    found = [m[len(_MARK):] for m in marks if m and m.startswith(_MARK)]
+    tokens = [{m[i:i + _TOKEN] for i in range(0, len(m), _TOKEN)} for m in found]
+    seeded = set.intersection(*tokens) if tokens else set()
+    return [v for v in views if v.token not in seeded], bool(found)

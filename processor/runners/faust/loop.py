@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
 from pathlib import Path
-from typing import Generator, Iterator
+from typing import Generator, Iterable, Iterator
 
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME as _LOG_APPEND_TIME, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -54,6 +54,7 @@ from processor.contract.limits import MAX_FUTURE_STAMP_MS, positive_env
 from processor.contract.types import InputMessage, Output
 from processor.engine.ordering import drain_in_order
 from processor.engine.topic import SowTopicEngine
+from processor.engine.views import ViewProcessor, views_to_seed
 from processor.kafka.clients import (
     check_compaction, check_partitions, delete_retention_ms, described_configs, end_offsets, ensure_topics, message_headers, make_admin, make_consumer,
     make_producer, read_batches, read_until, topic_incarnation, topology_topic_configs)
@@ -255,6 +256,18 @@ _RESTORE_COMMIT = 20_000  # records a restore reads between two commits of the s
 _RESEED_STEP = 5_000  # records a re-seed writes back to `.sow` a step (about 70 ms)
 
 _KEPT_HEADERS, _KEPT_HEADER_BYTES, _KEPT_KEY_BYTES = 64, 256, 1024  # what a cut message keeps besides half its value
+
+
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    """`items` in lists of `size` (the last one shorter)."""
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _message_bytes(key: bytes | None, value: bytes | None, headers: list | None) -> int:
@@ -541,6 +554,7 @@ class SowLoop:
         # Owned input partition -> the offset committed for it (by the last commit, or found at
         # assignment). A transaction without offsets of its own carries one of them: `_fencing_offsets`.
         self._committed: dict[tuple[str, int], int] = {}
+        self._marks: dict[tuple[str, int], str | None] = {}  # input partition -> the metadata of its committed offset (views_mark)
         # Stores of revoked partitions, open in case the next assignment gives them back (then they
         # need no replay at all); closed when it does not, for their next owner on this host.
         self._parked: dict[tuple[str, int], PartitionStore] = {}
@@ -899,6 +913,18 @@ class SowLoop:
 
     def _remember_committed(self, committed: list[TopicPartition]) -> None:
         self._committed.update(((tp.topic, tp.partition), tp.offset) for tp in committed if tp.offset >= 0)
+        self._marks.update(((tp.topic, tp.partition), tp.metadata) for tp in committed)
+
+    def _offsets(self, offsets: dict[tuple[str, int], int]) -> list[TopicPartition]:
+        """Offsets to commit, each with its partition's views mark as metadata: the views its
+        `<view>.sow` topics follow, the engine's own once the partition is served (it was seeded at
+        its restore's end), else the one it was committed with."""
+        out = []
+        for (t, p), o in offsets.items():
+            found = self._task_of_input.get((t, p))
+            mark = found[0].engine.views_mark if found is not None and found[0].restored else self._marks.get((t, p))
+            out.append(TopicPartition(t, p, o, metadata=mark or ""))
+        return out
 
     def _await_previous_owner(self, tasks: list[Task]) -> None:
         """Wait until no transaction is open on the outputs of these SOW partitions that a new owner
@@ -1429,7 +1455,7 @@ class SowLoop:
                     self._in_txn = True
                 committing = self._fencing_offsets(offsets, out.sent)
                 metadata = self.consumer.consumer_group_metadata() if committing else None
-                ending = self._committer.submit(self._end_transaction, committing, metadata)
+                ending = self._committer.submit(self._end_transaction, self._offsets(committing), metadata)
             else:
                 ending = self._committer.submit(self.producer.flush)
             preparing = time.perf_counter()
@@ -1468,7 +1494,7 @@ class SowLoop:
                 store.commit(prepared.get(name))
         _STORE_COMMIT_SECONDS.inc(time.perf_counter() - writing)
         if not self.eos and offsets:
-            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()], asynchronous=True)
+            self.consumer.commit(offsets=self._offsets(offsets), asynchronous=True)
         metrics.BATCH_SECONDS.observe(time.perf_counter() - started)
         for topic, n in applied.items():
             metrics.INPUTS.labels(topic).inc(n)
@@ -1476,12 +1502,12 @@ class SowLoop:
             metrics.OUTPUTS.labels(topic).inc(n)
         return True
 
-    def _end_transaction(self, committing: dict[tuple[str, int], int], metadata) -> None:
+    def _end_transaction(self, committing: list[TopicPartition], metadata) -> None:
         """The broker's part of a commit (on the committer thread): the input offsets, then the commit,
         which waits for every output to be delivered."""
         producer = self.producer
         if committing:
-            producer.send_offsets_to_transaction([TopicPartition(t, p, o) for (t, p), o in committing.items()], metadata, 30)
+            producer.send_offsets_to_transaction(committing, metadata, 30)
         if _KILLS:
             producer.flush()
             _kill("commit")
@@ -1605,7 +1631,7 @@ class SowLoop:
                         break
             except StopIteration as done:
                 task.replay = None
-                self._serve(task, done.value, out)
+                self._serve(task, *done.value, out)
             except BaseException:
                 task.replay = None  # a restore that raised is over: the next one starts again (from the store rolled back)
                 raise
@@ -1614,10 +1640,11 @@ class SowLoop:
         if any(not t.restored for t in self.tasks.values()):
             self._more = True  # the next consume does not wait: the restore goes on
 
-    def _restoring(self, task: Task) -> Generator[list[Output] | None, None, bool]:
+    def _restoring(self, task: Task) -> Generator[list[Output] | None, None, tuple[bool, bool]]:
         """The restore of one partition, a step a `.sow` batch (`_restore_some`), then the re-seed of
-        its changelog if it needs one (a step yields its messages); returns whether the partition
-        must then purge its records."""
+        its changelog if it needs one and the seed of its views that need one (a step yields its
+        messages); returns whether the partition must then purge its records, and whether it seeded
+        views."""
         spec = task.engine.spec
         store = task.store or self._parked.pop(task.name, None)
         # A store this process still holds (an eager rebalance gave the partition back, or an abort
@@ -1632,7 +1659,7 @@ class SowLoop:
         task.store = store
         if spec.persistence is Persistence.TRANSIENT:
             self._resume_events(task, store)
-            return False
+            return False, False
         count, reseed = yield from self._replaying(task, store)
         yield from check_key_format(store, spec, task.p, self.group)  # a store of an older SowKey rule or key: stop, say how to rebuild
         # A recreated changelog's replay stays staged until its re-seed commits: no step commits meanwhile.
@@ -1645,8 +1672,11 @@ class SowLoop:
             yield from self._reseeding(task, store)
         else:  # the stamps, now: a store that stopped before its next commit would be taken for an earlier release's
             store.commit()
+        seeds = self._views_to_seed(task) if store.size() else []
+        if seeds:
+            yield from self._seeding_views(task, store, seeds)
         log.info("restored %s partition %d: %d changelog records, %d in SOW", spec.topic, task.p, count, store.count())
-        return spec.persistence is Persistence.SIMPLE and changed_hands
+        return spec.persistence is Persistence.SIMPLE and changed_hands, bool(seeds)
 
     def _reseeding(self, task: Task, store: PartitionStore) -> Generator[list[Output], None, None]:
         """Write the store's records back to `<topic>.sow`, `_RESEED_STEP` a step: each step's
@@ -1657,18 +1687,54 @@ class SowLoop:
         the encoding's stamp) stays staged until the store commits, after the transaction of the
         last step; an abort or a crash before then re-seeds again from the start. Each record goes
         out as the store has it now: after a recreated changelog's replay, the version that log gave."""
-        reseed, p, records = task.engine.reseed, task.p, []
-        for record in store.latest():
-            records.append(record)
-            if len(records) == _RESEED_STEP:
-                yield reseed(p, records)
-                records = []
-        if records:
-            yield reseed(p, records)
+        for records in _chunks(store.latest(), _RESEED_STEP):
+            yield task.engine.reseed(task.p, records)
 
-    def _serve(self, task: Task, purge: bool, out: "_Batch") -> None:
+    def _views_to_seed(self, task: Task) -> list[tuple[ViewProcessor, bool]]:
+        """The views the partition must seed (`views_to_seed`), each with whether the records it does
+        not match get tombstones: those its `<view>.sow` partition may hold. When no input of the
+        partition carries a views mark, a view is seeded only if that partition of its topic is
+        empty: what it holds was written by a release that kept no mark (it kept the view up to date),
+        or through inputs of other partitions (another partition's input of a record this partition
+        owns, applied here directly: only that input's offset was committed)."""
+        seeding, marked = views_to_seed(task.engine.views, [self._marks.get(tp) for tp in task.inputs])
+        seeds = []
+        for view in seeding:
+            holds = self._holds_messages(view.sow_topic, task.p)
+            if marked or not holds:
+                seeds.append((view, holds))
+        return seeds
+
+    def _seeding_views(self, task: Task, store: PartitionStore, seeds: list[tuple[ViewProcessor, bool]]) -> Generator[list[Output], None, None]:
+        """Write the partition's records to the `<view>.sow` of each view that must seed them
+        (`_views_to_seed`: a view new to the topic, or whose definition changed), with tombstones
+        for the records a view does not match when asked, `_RESEED_STEP` records a step, each step's
+        messages into the batch the restore runs in, as `_reseeding`. That the partition follows the
+        views as they are now goes with its inputs' offsets into the transaction that serves it
+        (`_serve`): a crash before then seeds again, writing the same records again."""
+        log.info("%s partition %d: writing its %d records to the views new or changed since it was last committed: %s",
+                 task.engine.spec.topic, task.p, store.size(), ", ".join(view.view.name for view, _ in seeds))
+        for records in _chunks(store.latest(), _RESEED_STEP):
+            yield [o for view, tombstones in seeds for o in view.seed(task.p, records, tombstones)]
+
+    def _holds_messages(self, topic: str, p: int) -> bool:
+        """Whether partition p of `topic` holds messages (True when the broker cannot tell)."""
+        try:
+            low, high = end_offsets(self.consumer, topic, [p])[p]
+        except KafkaException as exc:
+            log.warning("could not ask where %s[%d] ends: %s", topic, p, exc)
+            return True
+        return high > low
+
+    def _serve(self, task: Task, purge: bool, seeded: bool, out: "_Batch") -> None:
         """A partition whose restore is done: attached to its engine, and served from now on. What it
-        tells (a purge) goes in the batch's transaction; the store commits after it."""
+        tells (a purge) goes in the batch's transaction; the store commits after it. After a seed of
+        its views, the offsets committed for its inputs go again in the transaction, now with the
+        views' mark (`_offsets`); an input not committed yet has none to carry it."""
+        if seeded:
+            for tp in task.inputs:
+                if tp in self._committed and tp not in out.offsets:
+                    out.offsets[tp] = self._committed[tp]
         partition = task.engine.attach(task.p, task.store)
         if purge:  # a `simple` SOW does not survive its owner: `.sow` is told
             partition.purge(task.store.records(), time.time_ns() // 1_000_000, out)
