@@ -11,20 +11,9 @@ import yaml
 from processor.client.sow_client import Client
 from processor.topology import load_topology
 
-from .workers import Worker, read_all, wait_until, write_topology
+from .workers import Worker, compacted, read_all, wait_until, write_topology
 
 pytestmark = pytest.mark.integration
-
-
-def view_sow(bootstrap: str, view: str) -> dict:
-    """`<view>.sow` folded as a compacted topic reads: the last value per key, tombstones removing."""
-    found: dict = {}
-    for msg in read_all(bootstrap, f"{view}.sow"):
-        if msg.value() is None:
-            found.pop(msg.key(), None)
-        else:
-            found[msg.key()] = msg.value()
-    return found
 
 
 def test_a_view_added_or_changed_is_seeded_from_the_records_the_sow_holds(kafka_bootstrap, unique_name, tmp_path):
@@ -51,7 +40,7 @@ def test_a_view_added_or_changed_is_seeded_from_the_records_the_sow_holds(kafka_
     with_view("/status = 'open'")
     w = Worker(kafka_bootstrap, path, group, data, "added").start()
     try:
-        wait_until(lambda: set(view_sow(kafka_bootstrap, view)) == {keys[i] for i in range(0, 20, 2)}, 60, "the 10 open records in the view")
+        wait_until(lambda: set(compacted(kafka_bootstrap, f"{view}.sow")) == {keys[i] for i in range(0, 20, 2)}, 60, "the 10 open records in the view")
     finally:
         w.stop()
     assert "to the views new or changed since it was last committed" in w.log()
@@ -61,11 +50,11 @@ def test_a_view_added_or_changed_is_seeded_from_the_records_the_sow_holds(kafka_
     shutil.rmtree(data)
     w = Worker(kafka_bootstrap, path, group, data, "changed").start()
     try:
-        wait_until(lambda: set(view_sow(kafka_bootstrap, view)) == {keys[i] for i in range(10, 20)}, 60, "records 10-19 in the view")
+        wait_until(lambda: set(compacted(kafka_bootstrap, f"{view}.sow")) == {keys[i] for i in range(10, 20)}, 60, "records 10-19 in the view")
         client = Client(kafka_bootstrap, load_topology(path))
         client.publish(topic, {"id": 3, "status": "filled", "qty": 30})  # the view goes on from there
         client.flush()
-        wait_until(lambda: keys[3] in view_sow(kafka_bootstrap, view), 60, "record 3 in the view")
+        wait_until(lambda: keys[3] in compacted(kafka_bootstrap, f"{view}.sow"), 60, "record 3 in the view")
     finally:
         w.stop()
     written = len(read_all(kafka_bootstrap, f"{view}.sow"))

@@ -18,19 +18,13 @@ from processor.kafka.clients import ensure_topics, topic_configs
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
 
-from .workers import headers_of, producer, set_topic_config, write_topology
+from .workers import compacted, headers_of, producer, set_topic_config, write_topology
 
 pytestmark = pytest.mark.integration
 
 
 def _sow(bootstrap, spec) -> dict:
-    state = {}
-    for m in read_topic(bootstrap, spec.sow_topic, range(spec.partitions)):
-        if m.value() is None:
-            state.pop(m.key(), None)
-        else:
-            state[m.key()] = orjson.loads(m.value())
-    return state
+    return {k: orjson.loads(v) for k, v in compacted(bootstrap, spec.sow_topic, spec.partitions).items()}
 
 
 @pytest.mark.parametrize("crash", [False, True], ids=["", "killed-before-the-reseed-commits"])

@@ -43,5 +43,16 @@ def read_all(bootstrap: str, topic: str, partitions: int = 4) -> list:
     return read_topic(bootstrap, topic, range(partitions))
 
 
+def compacted(bootstrap: str, topic: str, partitions: int = 4) -> dict:
+    """A compacted topic as a reader ends with it: the last value per key, tombstones removing."""
+    found: dict = {}
+    for msg in read_all(bootstrap, topic, partitions):
+        if msg.value() is None:
+            found.pop(msg.key(), None)
+        else:
+            found[msg.key()] = msg.value()
+    return found
+
+
 def headers_of(msg) -> dict[str, str]:
     return {k: v.decode() for k, v in (msg.headers() or [])}

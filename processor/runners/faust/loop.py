@@ -974,6 +974,7 @@ class SowLoop:
         for tp in partitions:
             found = self._task_of_input.pop((tp.topic, tp.partition), None)
             self._committed.pop((tp.topic, tp.partition), None)
+            self._marks.pop((tp.topic, tp.partition), None)
             self._paused.discard((tp.topic, tp.partition))
             if found is None:
                 continue
