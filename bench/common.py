@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
 from processor.engine.ordering import drain_in_order  # noqa: E402
-from processor.kafka.clients import ensure_topics, make_producer, produce  # noqa: E402
+from processor.kafka.clients import end_offsets, ensure_topics, make_producer, produce  # noqa: E402
 
 
 # broker ------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def watermarks(bootstrap: str, topic: str, partitions: int, consumer: Consumer |
     own = consumer is None
     consumer = consumer or _consumer(bootstrap)
     try:
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30) for p in range(partitions)}
+        return end_offsets(consumer, topic, range(partitions))
     finally:
         if own:
             consumer.close()

@@ -30,10 +30,10 @@ if str(REPO) not in sys.path:
 
 import orjson  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from confluent_kafka import KafkaException, TopicPartition  # noqa: E402
+from confluent_kafka import TopicPartition  # noqa: E402
 
 from bench.common import kafka_bootstrap, log  # noqa: E402
-from processor.kafka.clients import ensure_topics, make_consumer, make_producer, produce, read_until
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, make_producer, produce, read_until
 from processor.engine.topic import InputMessage
 from processor.engine.fold import SowFold, in_order
 from processor.topology import SowTopic  # noqa: E402
@@ -131,18 +131,8 @@ def _marks(bootstrap: str, spec: SowTopic) -> dict[tuple[str, int], tuple[int, i
     """Watermarks of the input partitions (retried while new topics elect their leaders)."""
     consumer = make_consumer(bootstrap)
     try:
-        for attempt in range(50):
-            try:
-                return {
-                    (t, p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=30)
-                    for t in (spec.topic, spec.delta_topic)
-                    for p in range(spec.partitions)
-                }
-            except KafkaException:
-                if attempt == 49:
-                    raise
-                time.sleep(0.2)
-        raise AssertionError("unreachable")
+        return {(t, p): marks for t in (spec.topic, spec.delta_topic)
+                for p, marks in end_offsets(consumer, t, range(spec.partitions)).items()}
     finally:
         consumer.close()
 

@@ -99,9 +99,9 @@ def parse_instant(text: str | int) -> int:
 # reading -----------------------------------------------------------------------------------------
 def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
     """End offsets of the input partitions, as Spark's `endingOffsets` takes them (`pin_inputs`)."""
-    from confluent_kafka import KafkaException, TopicPartition
+    from confluent_kafka import KafkaException
 
-    from processor.kafka.clients import make_consumer
+    from processor.kafka.clients import end_offsets, make_consumer
 
     consumer = make_consumer(bootstrap)
     try:
@@ -110,12 +110,11 @@ def input_offsets(bootstrap: str, spec: SowTopic) -> dict[str, dict[str, int]]:
         for topic in (spec.topic, spec.delta_topic):
             if topic not in meta or meta[topic].error is not None:
                 raise SnapshotError(f"input topic {topic} does not exist on {bootstrap}")
-            ends[topic] = {}
-            for p in sorted(meta[topic].partitions):
-                try:
-                    ends[topic][str(p)] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                except KafkaException as exc:
-                    raise SnapshotError(f"cannot read the end of {topic}[{p}]: {exc}") from None
+            try:
+                marks = end_offsets(consumer, topic, sorted(meta[topic].partitions))
+            except KafkaException as exc:
+                raise SnapshotError(f"cannot read the end offsets of {topic}: {exc}") from None
+            ends[topic] = {str(p): high for p, (_, high) in marks.items()}
         return ends
     finally:
         consumer.close()

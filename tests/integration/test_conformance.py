@@ -58,7 +58,7 @@ from hypothesis import strategies as st  # noqa: E402
 from processor.core.codec import codec_for  # noqa: E402
 from processor.core.keys import owner_partition  # noqa: E402
 from processor.engine.outputs import Streams, render, sink  # noqa: E402
-from processor.kafka.clients import ensure_topics, make_consumer, make_producer, topic_configs
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, make_producer, topic_configs
 from processor.contract.types import InputMessage
 from processor.engine.fold import SowFold
 from processor.topology import SowTopic, Topology  # noqa: E402
@@ -254,13 +254,7 @@ def _snapshot(spark, bootstrap: str, spec: SowTopic, as_of: int) -> dict[str, tu
 
 
 def _counts(consumer, topic: str) -> int:
-    from confluent_kafka import TopicPartition
-
-    total = 0
-    for p in range(PARTITIONS):
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-        total += high - low
-    return total
+    return sum(high - low for low, high in end_offsets(consumer, topic, range(PARTITIONS)).values())
 
 
 def _wait_for_outputs(bootstrap: str, runs: list[Run], phase: int, queries, worker, timeout: float = 120) -> None:

@@ -18,7 +18,7 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 
 from processor.contract.types import SowRecord
 from processor.core.durations import DurationError, parse_duration_ms  # noqa: E402
-from processor.kafka.clients import ensure_topics, make_consumer, make_producer, read_until
+from processor.kafka.clients import end_offsets, ensure_topics, make_consumer, make_producer, read_until
 from processor.engine.topic import InputMessage
 from processor.engine.fold import fold_history
 from processor.topology import SowTopic, Topology  # noqa: E402
@@ -114,11 +114,16 @@ def scripted(kafka_bootstrap, admin, request) -> Scripted:
     return Scripted(spec, kafka_bootstrap, {i: spec.key_spec.sow_key({"id": i}) for i in range(1, 10)})
 
 
+def _ends(consumer, topics, partitions: int) -> dict[tuple[str, int], int]:
+    """End offsets of the topics' partitions, retried while new topics elect their leaders."""
+    return {(t, p): high for t in topics for p, (_, high) in end_offsets(consumer, t, range(partitions)).items()}
+
+
 def _read_inputs(s: Scripted) -> list[InputMessage]:
     from confluent_kafka import TopicPartition
 
     consumer = make_consumer(s.bootstrap)
-    ends = {(t, p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1] for t in (s.spec.topic, s.spec.delta_topic) for p in range(2)}
+    ends = _ends(consumer, (s.spec.topic, s.spec.delta_topic), 2)
     consumer.assign([TopicPartition(t, p, 0) for t, p in ends])
     out = [InputMessage(m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers(), m.timestamp()[1]) for m in read_until(consumer, ends)]
     consumer.close()
@@ -557,7 +562,7 @@ def _read_all(bootstrap: str, topic: str, partitions: int) -> list:
     from confluent_kafka import TopicPartition
 
     consumer = make_consumer(bootstrap)
-    ends = {(topic, p): consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions)}
+    ends = _ends(consumer, (topic,), partitions)
     consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     out = list(read_until(consumer, ends))
     consumer.close()
@@ -633,11 +638,8 @@ def _wait_committed(bootstrap: str, spec: SowTopic, queries, timeout: float = 12
     and a progress report follows that commit, so a stop after it cannot make the restart run those
     inputs again. (`processAllAvailable` would wait for ever: processing-time timers make Spark run
     a micro-batch at every trigger, so it never sees the query idle.)"""
-    from confluent_kafka import TopicPartition
-
     consumer = make_consumer(bootstrap)
-    ends = {t: {str(p): consumer.get_watermark_offsets(TopicPartition(t, p), timeout=30)[1] for p in range(spec.partitions)}
-            for t in (spec.topic, spec.delta_topic)}
+    ends = {t: {str(p): high for (_, p), high in _ends(consumer, (t,), spec.partitions).items()} for t in (spec.topic, spec.delta_topic)}
     consumer.close()
     deadline = time.monotonic() + timeout
     for q in queries:

@@ -6,11 +6,12 @@ import re
 import string
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from hypothesis import given
 from hypothesis import strategies as st
 
 from processor.contract.errors import ConfigError
-from processor.kafka.clients import _client_config
+from processor.kafka.clients import _client_config, end_offsets
 from processor.kafka.config import (
     KafkaConfig,
     env_property,
@@ -332,3 +333,30 @@ def test_a_changelog_whose_configuration_could_not_be_read_is_not_refused():
     from processor.kafka.clients import check_compaction
 
     check_compaction(_COMPACTED, {})
+
+
+class _ElectingConsumer:
+    """A consumer whose topic is still electing leaders: the first reads of each partition fail."""
+
+    def __init__(self, failures: int, error: int):
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def get_watermark_offsets(self, tp, timeout=None):
+        self.calls += 1
+        if self.failures:
+            self.failures -= 1
+            raise KafkaException(KafkaError(self.error))
+        return (0, 10 + tp.partition)
+
+
+def test_end_offsets_waits_out_the_leader_election_of_a_new_topic():
+    consumer = _ElectingConsumer(failures=2, error=KafkaError.NOT_LEADER_FOR_PARTITION)
+    assert end_offsets(consumer, "t", [0, 1]) == {0: (0, 10), 1: (0, 11)}
+    assert consumer.calls == 4
+
+
+def test_end_offsets_does_not_retry_a_refusal():
+    consumer = _ElectingConsumer(failures=1, error=KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(KafkaException):
+        end_offsets(consumer, "t", [0])
+    assert consumer.calls == 1
