@@ -28,6 +28,8 @@ from processor.kafka.clients import FUTURE_STAMPS, ensure_topics, make_admin, to
 from processor.testing import WorkerProcess, read_topic, wait_until
 from processor.topology import load_topology
 
+from .workers import compacted
+
 pytestmark = pytest.mark.integration
 
 P = 4
@@ -104,13 +106,7 @@ def assert_exactly_once(bootstrap, spec, sorted_as=None):
 
 def sow_folded(bootstrap, spec) -> dict:
     """The SOW `.sow` holds for read_committed readers: its records folded, tombstones removing."""
-    folded = {}
-    for m in read_topic(bootstrap, spec.sow_topic, range(P)):
-        if m.value() is None:
-            folded.pop(m.key().decode(), None)
-        else:
-            folded[m.key().decode()] = orjson.loads(m.value())
-    return folded
+    return {k.decode(): orjson.loads(v) for k, v in compacted(bootstrap, spec.sow_topic, P).items()}
 
 
 class Stream:
